@@ -1,0 +1,41 @@
+"""easy-context: exact sequence-parallel attention for Hugging Face causal LMs.
+
+Public API (everything a training or evaluation script needs):
+
+    apply_seq_parallel_monkey_patch(mode, model_type, process_group=None)
+    remove_seq_parallel_monkey_patch()
+    prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device)
+    prepare_dataloader(mode, dataloader, accelerator)
+    gather_seq_parallel_outputs(mode, local_tensor, dim=1, process_group=None)
+
+Architecture (one folder or file per concern):
+    kernels.py   local attention block -> (out, lse) and its backward; CPU and CUDA backends
+    ring.py      the ring core: P2P rotation of K/V, log-sum-exp merging, exact backward
+    layout.py    how tokens are split over ranks (zigzag, contiguous) and put back
+    modes.py     mode registry; one subpackage per mode holds only what differs
+    hf.py        the single transformers integration point (attention + mask registries)
+    api.py       the functions above
+"""
+
+from .api import (
+    apply_seq_parallel_monkey_patch,
+    gather_seq_parallel_outputs,
+    prepare_dataloader,
+    prepare_seq_parallel_inputs,
+    remove_seq_parallel_monkey_patch,
+)
+from .hf import SUPPORTED_MODEL_TYPES
+from .modes import BUILT_MODES, MODE_NAMES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "apply_seq_parallel_monkey_patch",
+    "remove_seq_parallel_monkey_patch",
+    "prepare_seq_parallel_inputs",
+    "prepare_dataloader",
+    "gather_seq_parallel_outputs",
+    "SUPPORTED_MODEL_TYPES",
+    "MODE_NAMES",
+    "BUILT_MODES",
+]

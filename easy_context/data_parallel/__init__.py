@@ -1,0 +1,10 @@
+"""data_parallel: no sequence parallelism; every rank runs whole sequences of its own.
+
+The model keeps its own attention; inputs are not sharded. Present so that scripts can
+switch modes with one flag.
+"""
+
+from ..layout import IDENTITY
+from ..modes import SeqParallelMode
+
+MODE = SeqParallelMode("data_parallel", IDENTITY, attention=None)
