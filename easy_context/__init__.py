@@ -2,19 +2,25 @@
 
 Public API (everything a training or evaluation script needs):
 
-    apply_seq_parallel_monkey_patch(mode, model_type, process_group=None)
+    apply_seq_parallel_monkey_patch(mode, model_type, **options)
     remove_seq_parallel_monkey_patch()
-    prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device)
-    prepare_dataloader(mode, dataloader, accelerator)
-    gather_seq_parallel_outputs(mode, local_tensor, dim=1, process_group=None)
+    prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device, **options)
+    prepare_dataloader(mode, dataloader, accelerator, **options)
+    gather_seq_parallel_outputs(mode, local_tensor, dim=1, **options)
+    options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn)
 
-Architecture (one folder or file per concern):
-    kernels.py   local attention block -> (out, lse) and its backward; CPU and CUDA backends
-    ring.py      the ring core: P2P rotation of K/V, log-sum-exp merging, exact backward
-    layout.py    how tokens are split over ranks (zigzag, contiguous) and put back
-    modes.py     mode registry; one subpackage per mode holds only what differs
-    hf.py        the single transformers integration point (attention + mask registries)
-    api.py       the functions above
+Architecture (one file or folder per concern):
+    kernels.py         local attention block -> (out, lse) and its backward; CPU/CUDA backends
+    ring.py            the ring core: P2P rotation of K/V, log-sum-exp merging, exact backward
+    layout.py          how tokens are split over an SP group (zigzag/contiguous x Ulysses)
+    process_groups.py  world = dp x sp, sp = ring x ulysses; groups created once
+    modes.py           mode registry; one subpackage per mode holds only what differs:
+      zigzag_ring_attn/  the zigzag block plan for the ring core
+      ulysses_attn/      sequence<->heads all-to-all, KV-head replication
+      usp_attn/          Ulysses x ring split of the SP group
+      data_parallel/     no sequence parallelism
+    hf.py              the single transformers integration point (attention + mask registries)
+    api.py             the functions above
 """
 
 from .api import (

@@ -1,14 +1,22 @@
-"""The public functions. Names and signatures follow EasyContext so existing scripts keep working."""
+"""The public functions. Names and signatures follow EasyContext so existing scripts keep working.
+
+Options shared by every function (keyword-only):
+  sp_size      ranks that share one sequence (default: the whole world); world = dp x sp
+  ring_degree  the ring part of an SP group under usp_attn (default 1: pure Ulysses)
+Functions called after apply_seq_parallel_monkey_patch default to the options it was given.
+"""
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import hf
-from .modes import get_mode
+from .modes import SeqParallelMode, get_mode
+from .process_groups import get_groups
 
 __all__ = [
     "apply_seq_parallel_monkey_patch",
@@ -17,37 +25,55 @@ __all__ = [
     "prepare_dataloader",
     "gather_seq_parallel_outputs",
 ]
+_OPTIONS = ("sp_size", "ring_degree")
 
 
-def _no_unknown_options(where: str, options: dict) -> None:
-    if options:
-        raise TypeError(f"{where}: unknown option(s) {sorted(options)}; supported: process_group")
+def _check_option_names(where: str, options: dict) -> None:
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"{where}: unknown option(s) {sorted(unknown)}; supported: {list(_OPTIONS)}")
 
 
-def apply_seq_parallel_monkey_patch(mode: str, model_type: str, *, process_group=None, **options) -> None:
+def _options(where: str, mode: SeqParallelMode, options: dict) -> dict:
+    """The caller's options, defaulting to (and never contradicting) the active patch's."""
+    _check_option_names(where, options)
+    active = hf.active_patch()
+    resolved = {}
+    for name in _OPTIONS:
+        given = options.get(name)
+        patched = getattr(active, name) if active is not None and active.mode is mode else None
+        if given is not None and patched is not None and given != patched:
+            raise ValueError(f"{where}: {name}={given} differs from {name}={patched} given to apply_seq_parallel_monkey_patch")
+        resolved[name] = given if given is not None else patched
+    return resolved
+
+
+def apply_seq_parallel_monkey_patch(mode: str, model_type: str, **options) -> None:
     """Make `model_type` models run `mode`'s sequence-parallel attention.
 
     Affects models whose attn_implementation is sdpa, eager or flash_attention_2, created
-    before or after this call. The sequence-parallel group is `process_group`, or else the
-    default (world) group, looked up at the first forward, so this may be called before
-    torch.distributed is initialised. Calling it again adds model types (same mode) or
-    switches every patched model type to a new mode. Undo with
+    before or after this call. Process groups are created here when torch.distributed is
+    initialised, else at the first forward. Calling it again with the same mode and options
+    adds model types; with others it switches every patched type. Undo with
     remove_seq_parallel_monkey_patch().
     """
-    _no_unknown_options("apply_seq_parallel_monkey_patch", options)
     resolved = get_mode(mode)
+    _check_option_names("apply_seq_parallel_monkey_patch", options)
     if model_type not in hf.SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {model_type!r} is not supported; supported: {list(hf.SUPPORTED_MODEL_TYPES)}"
-        )
+        raise ValueError(f"model type {model_type!r} is not supported; supported: {list(hf.SUPPORTED_MODEL_TYPES)}")
+    sp_size, ring_degree = options.get("sp_size"), options.get("ring_degree")
+    resolved.topology(hf.world_size(), sp_size, ring_degree)  # impossible combinations fail now
     if resolved.attention is None:  # data_parallel: models keep their own attention
         remove_seq_parallel_monkey_patch()
         return
-    active = hf.active_patch()
     types = {model_type}
-    if active is not None and active.mode is resolved and active.process_group is process_group:
+    active = hf.active_patch()
+    if active is not None and (active.mode, active.sp_size, active.ring_degree) == (resolved, sp_size, ring_degree):
         types |= active.model_types
-    hf.install(resolved, types, process_group)
+    patch = hf.ActivePatch(resolved, frozenset(types), sp_size, ring_degree)
+    hf.install(patch)
+    if hf.world_size() > 1:
+        patch.groups()  # collective: every rank calls apply, so create the groups now
 
 
 def remove_seq_parallel_monkey_patch() -> None:
@@ -70,17 +96,29 @@ def prepare_seq_parallel_inputs(
 ) -> dict:
     """Keep this rank's share of a batch of full sequences.
 
+    rank/world_size are global; the rank's place in its SP group follows from sp_size.
     input_ids (B, S); position_ids (B, S), (1, S) or None (0..S-1); target_ids (B, S) are
     next-token targets already aligned with input_ids (shift before sharding; -100 is
     ignored by losses) or None. Returns local_input_ids, local_position_ids (the GLOBAL
-    positions of the local tokens) and local_target_ids, on `device`.
+    positions of the local tokens, so RoPE is right) and local_target_ids, on `device`.
+    data_parallel returns the inputs unchanged (moved to `device`).
     """
-    _no_unknown_options("prepare_seq_parallel_inputs", {k: v for k, v in options.items() if k != "process_group"})
-    layout = get_mode(mode).layout
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}")
+    resolved = get_mode(mode)
+    topology = resolved.topology(world_size, **_options("prepare_seq_parallel_inputs", resolved, options))
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
+
+    def to_device(x):
+        return None if x is None else x.to(device)
+
+    if resolved.attention is None:
+        return {
+            "local_input_ids": to_device(input_ids),
+            "local_position_ids": to_device(position_ids),
+            "local_target_ids": to_device(target_ids),
+        }
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}")
     batch, seq_len = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=input_ids.device)
@@ -91,10 +129,10 @@ def prepare_seq_parallel_inputs(
             "position_ids must count up by one along each row (one contiguous sequence per row); "
             "packed sequences are not supported yet"
         )
-    layout.check_length(seq_len, world_size)
+    layout, sp_rank = resolved.layout(topology), topology.sp_rank(rank)
 
     def local(x):
-        return None if x is None else layout.shard(x, rank, world_size, dim=1).to(device)
+        return None if x is None else to_device(layout.shard(x, sp_rank, dim=1))
 
     return {
         "local_input_ids": local(input_ids),
@@ -103,26 +141,49 @@ def prepare_seq_parallel_inputs(
     }
 
 
-def prepare_dataloader(mode: str, dataloader, accelerator):
-    """data_parallel: shard batches over ranks (accelerator.prepare); sequence-parallel modes:
-    every rank reads the same full batches and keeps its share via prepare_seq_parallel_inputs."""
-    if get_mode(mode).layout.chunks_per_rank == 0:
-        return accelerator.prepare(dataloader)
-    return dataloader
+class DataParallelShard:
+    """Batch i of the wrapped loader goes to data-parallel group i % dp_size.
 
-
-def gather_seq_parallel_outputs(mode: str, local: torch.Tensor, dim: int = 1, process_group=None) -> torch.Tensor:
-    """All-gather per-rank local tensors (logits, predictions) back into sequence order.
-
-    Not differentiable; every rank gets the full tensor. `process_group` defaults to the
-    patched sequence-parallel group, else the world.
+    Every rank of one SP group reads the same batches; all groups get the same number of
+    batches (the tail that does not divide is dropped) so no group waits on another.
     """
-    layout = get_mode(mode).layout
-    active = hf.active_patch()
-    group = hf.resolve_group(process_group or (active.process_group if active else None))
-    if group is None or layout.chunks_per_rank == 0:
+
+    def __init__(self, loader, dp_rank: int, dp_size: int):
+        self.loader, self.dp_rank, self.dp_size = loader, dp_rank, dp_size
+
+    def __len__(self) -> int:
+        return len(self.loader) // self.dp_size
+
+    def __iter__(self):
+        stop = len(self) * self.dp_size if hasattr(self.loader, "__len__") else None
+        return itertools.islice(self.loader, self.dp_rank, stop, self.dp_size)
+
+
+def prepare_dataloader(mode: str, dataloader, accelerator, **options):
+    """data_parallel: the accelerator shards batches over all ranks. Sequence-parallel modes:
+    batches are split over the data-parallel groups only (every rank of an SP group reads
+    the same full sequences and keeps its share through prepare_seq_parallel_inputs)."""
+    resolved = get_mode(mode)
+    if resolved.attention is None:
+        return accelerator.prepare(dataloader)
+    world, rank = getattr(accelerator, "num_processes", hf.world_size()), getattr(accelerator, "process_index", 0)
+    topology = resolved.topology(world, **_options("prepare_dataloader", resolved, options))
+    if topology.dp_size == 1:
+        return dataloader
+    return DataParallelShard(dataloader, topology.dp_rank(rank), topology.dp_size)
+
+
+def gather_seq_parallel_outputs(mode: str, local: torch.Tensor, dim: int = 1, **options) -> torch.Tensor:
+    """All-gather the SP group's local tensors (logits, predictions) back into sequence order.
+
+    Not differentiable; every rank of the SP group gets its group's full tensor.
+    """
+    resolved = get_mode(mode)
+    topology = resolved.topology(hf.world_size(), **_options("gather_seq_parallel_outputs", resolved, options))
+    groups = get_groups(topology)
+    if groups.sp is None:
         return local
     local = local.contiguous()
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, local, group=group)
-    return layout.unshard(pieces, dim=dim)
+    pieces = [torch.empty_like(local) for _ in range(topology.sp_size)]
+    dist.all_gather(pieces, local, group=groups.sp)
+    return resolved.layout(topology).unshard(pieces, dim=dim)

@@ -27,19 +27,29 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .layout import Layout
 from .modes import SeqParallelMode
+from .process_groups import SeqParallelGroups, get_groups
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "install", "uninstall", "active_patch", "resolve_group"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "install", "uninstall", "active_patch", "world_size"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _PATCHED_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _MISSING = object()
 
 
-@dataclass
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclass(frozen=True)
 class ActivePatch:
     mode: SeqParallelMode
     model_types: frozenset
-    process_group: Optional[object]  # None: the default (world) group, resolved at call time
+    sp_size: Optional[int] = None  # None: the whole world
+    ring_degree: Optional[int] = None  # None: the mode's default
+
+    def groups(self) -> SeqParallelGroups:
+        """This rank's process groups; created at the first call, then cached."""
+        return get_groups(self.mode.topology(world_size(), self.sp_size, self.ring_degree))
 
 
 _active: Optional[ActivePatch] = None
@@ -48,19 +58,6 @@ _saved: dict = {}  # (registry mapping id, name) -> original function or _MISSIN
 
 def active_patch() -> Optional[ActivePatch]:
     return _active
-
-
-def resolve_group(process_group=None):
-    """The sequence-parallel group: the given one, else the world, else None (one process)."""
-    if process_group is not None:
-        return process_group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
-
-
-def _group_rank_size(group) -> tuple[int, int]:
-    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
 def _is_patched(config) -> bool:
@@ -74,7 +71,7 @@ def _check_positions(position_ids: torch.Tensor, layout: Layout, rank: int, size
     Catches the silent failure modes: positions left to the model's default (arange over
     the local shard: wrong RoPE on every rank but the first) and packed sequences.
     """
-    expected = layout.local_positions(position_ids.shape[-1], rank, size, position_ids.device)
+    expected = layout.local_indices(position_ids.shape[-1] * size, rank).to(position_ids.device)
     offset = position_ids[..., :1] - expected[:1]
     if bool((offset >= 0).all()) and bool((position_ids == offset + expected).all()):
         return
@@ -120,11 +117,12 @@ def _check_supported(module, query, key, attention_mask, kwargs, rank, size, lay
 
 # ------------------------------------------------------------------ dispatchers
 def _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs):
-    group = resolve_group(_active.process_group)
-    rank, size = _group_rank_size(group)
-    _check_supported(module, query, key, attention_mask, kwargs, rank, size, _active.mode.layout)
+    groups = _active.groups()
+    topology = groups.topology
+    layout = _active.mode.layout(topology)
+    _check_supported(module, query, key, attention_mask, kwargs, groups.sp_rank, topology.sp_size, layout)
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
-    out = _active.mode.attention(query, key, value, scale, group)
+    out = _active.mode.attention(query, key, value, scale, groups)
     return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
 
 
@@ -163,9 +161,9 @@ def _make_mask_dispatcher(name, original):
 
 
 # --------------------------------------------------------------- install/undo
-def install(mode: SeqParallelMode, model_types, process_group=None) -> None:
+def install(patch: ActivePatch) -> None:
     global _active
-    _active = ActivePatch(mode, frozenset(model_types), process_group)
+    _active = patch
     if _saved:  # dispatchers already in place; they read `_active` at call time
         return
     attention_map = AttentionInterface._global_mapping

@@ -1,72 +1,83 @@
-"""How a sequence is split across the ranks of a sequence-parallel group, and put back.
+"""How one sequence is split over the ranks of a sequence-parallel (SP) group, and put back.
 
-A layout is pure indexing: it never communicates. `shard` keeps one rank's tokens,
-`unshard` reassembles the per-rank pieces, `local_positions` says which global positions a
-rank holds (used to check that the model was fed the right position_ids).
+Two levels, matching how the attention communicates:
+  ring level     ring_degree shares; zigzag (2R chunks, ring rank r keeps r and 2R-1-r, so
+                 causal work is equal on every rank) or contiguous.
+  Ulysses level  each ring share is cut into ulysses_degree contiguous pieces; the Ulysses
+                 all-to-all concatenates them back in order, giving the ring its share.
+SP rank = ring_rank * ulysses_degree + ulysses_rank (Ulysses over neighbouring ranks).
+
+A layout is pure indexing, never communication: `local_indices` is the single source of
+truth and shard, unshard and the position check all derive from it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "ZIGZAG", "CONTIGUOUS", "IDENTITY"]
+__all__ = ["Layout", "WHOLE_SEQUENCE"]
 
 
 @dataclass(frozen=True)
 class Layout:
-    name: str
-    chunks_per_rank: int  # 2 for zigzag, 1 for contiguous, 0 for "no sharding"
+    zigzag: bool
+    ring_degree: int = 1
+    ulysses_degree: int = 1
 
-    def multiple(self, world_size: int) -> int:
-        """The sequence length must be a multiple of this."""
-        return max(1, self.chunks_per_rank * world_size)
+    @property
+    def size(self) -> int:
+        return self.ring_degree * self.ulysses_degree
 
-    def chunk_ids(self, rank: int, world_size: int) -> list[int]:
-        if self.chunks_per_rank == 2:
-            # Zigzag: rank r holds chunks r and 2P-1-r, so every rank has the same causal work.
-            return [rank, 2 * world_size - 1 - rank]
-        return [rank]
+    @property
+    def name(self) -> str:
+        ring = f"{'zigzag' if self.zigzag else 'contiguous'} ring x{self.ring_degree}"
+        return ring if self.ulysses_degree == 1 else f"{ring}, Ulysses x{self.ulysses_degree}"
 
-    def check_length(self, seq_len: int, world_size: int) -> None:
-        multiple = self.multiple(world_size)
-        if seq_len % multiple:
-            lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
+    @property
+    def multiple(self) -> int:
+        """Sequence lengths must be a multiple of this."""
+        ring_chunks = 2 * self.ring_degree if self.zigzag and self.ring_degree > 1 else self.ring_degree
+        return ring_chunks * self.ulysses_degree
+
+    def check_length(self, seq_len: int) -> None:
+        m = self.multiple
+        if seq_len % m:
+            lower, upper = seq_len // m * m, (seq_len // m + 1) * m
             raise ValueError(
-                f"sequence length {seq_len} is not divisible by {multiple} "
-                f"({self.name} layout over {world_size} ranks needs a multiple of {multiple}); "
-                f"use e.g. {lower or multiple} or {upper}, or pad/truncate the sequence"
+                f"sequence length {seq_len} is not divisible by {m}, which the {self.name} layout "
+                f"over {self.size} ranks needs; use e.g. {lower or m} or {upper}, or pad/truncate"
             )
 
-    def shard(self, x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
-        if self.chunks_per_rank == 0:
-            return x
-        self.check_length(x.shape[dim], world_size)
-        chunks = x.chunk(self.multiple(world_size), dim=dim)
-        return torch.cat([chunks[i] for i in self.chunk_ids(rank, world_size)], dim=dim)
+    def local_indices(self, seq_len: int, sp_rank: int) -> torch.Tensor:
+        """Global positions (0-based) of the tokens SP rank `sp_rank` holds, in local order."""
+        self.check_length(seq_len)
+        return _local_indices(self, seq_len, sp_rank)
+
+    def shard(self, x: torch.Tensor, sp_rank: int, dim: int = 1) -> torch.Tensor:
+        return x.index_select(dim, self.local_indices(x.shape[dim], sp_rank).to(x.device))
 
     def unshard(self, pieces: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-        """Inverse of `shard`: pieces[r] is rank r's local tensor."""
-        if self.chunks_per_rank == 0:
-            return pieces[0]
-        world_size = len(pieces)
-        ordered: list[torch.Tensor | None] = [None] * self.multiple(world_size)
-        for rank, piece in enumerate(pieces):
-            for chunk, i in zip(piece.chunk(self.chunks_per_rank, dim=dim), self.chunk_ids(rank, world_size)):
-                ordered[i] = chunk
-        return torch.cat(ordered, dim=dim)
-
-    def local_positions(self, local_len: int, rank: int, world_size: int, device=None) -> torch.Tensor:
-        """Global positions (from 0) of the tokens rank `rank` holds, for local length `local_len`."""
-        if self.chunks_per_rank == 0:
-            return torch.arange(local_len, device=device)
-        chunk = local_len // self.chunks_per_rank
-        return torch.cat(
-            [torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in self.chunk_ids(rank, world_size)]
-        )
+        """Inverse of `shard`: pieces[r] is SP rank r's local tensor."""
+        seq_len = pieces[0].shape[dim] * len(pieces)
+        order = torch.cat([self.local_indices(seq_len, r) for r in range(len(pieces))]).to(pieces[0].device)
+        stacked = torch.cat(pieces, dim=dim)
+        return torch.empty_like(stacked).index_copy_(dim, order, stacked)
 
 
-ZIGZAG = Layout("zigzag", 2)
-CONTIGUOUS = Layout("contiguous", 1)
-IDENTITY = Layout("identity", 0)
+@functools.lru_cache(maxsize=256)
+def _local_indices(layout: Layout, seq_len: int, sp_rank: int) -> torch.Tensor:
+    ring_rank, ulysses_rank = divmod(sp_rank, layout.ulysses_degree)
+    positions = torch.arange(seq_len)
+    if layout.zigzag and layout.ring_degree > 1:
+        chunks = positions.chunk(2 * layout.ring_degree)
+        share = torch.cat([chunks[ring_rank], chunks[2 * layout.ring_degree - 1 - ring_rank]])
+    else:
+        share = positions.chunk(layout.ring_degree)[ring_rank]
+    return share.chunk(layout.ulysses_degree)[ulysses_rank]
+
+
+# One rank holds the whole sequence (data_parallel, or an SP group of one).
+WHOLE_SEQUENCE = Layout(zigzag=False)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
-from easy_context.layout import ZIGZAG
+from easy_context.layout import Layout
 from easy_context.zigzag_ring_attn import zigzag_ring_attention
 
 # (label, heads, kv heads, head dim, dtype, kernel)
@@ -33,7 +33,8 @@ def ring_worker(rank, world_size):
     results = {}
     for label, hq, hkv, d, dtype, kernel in CASES:
         os.environ["EASY_CONTEXT_KERNEL"] = kernel
-        q, k, v, dout = (ZIGZAG.shard(x, rank, world_size, dim=2) for x in full_inputs(hq, hkv, d, dtype))
+        layout = Layout(zigzag=True, ring_degree=world_size)
+        q, k, v, dout = (layout.shard(x, rank, dim=2) for x in full_inputs(hq, hkv, d, dtype))
         q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
         out = zigzag_ring_attention(q, k, v, d**-0.5, torch.distributed.group.WORLD)
         out.backward(dout)
@@ -50,7 +51,7 @@ def tolerance(dtype):
 def test_zigzag_ring_matches_full_sdpa(world_size):
     per_rank = run_ranks(ring_worker, world_size)
     for label, hq, hkv, d, dtype, _ in CASES:
-        got = [ZIGZAG.unshard([r[label][i] for r in per_rank], dim=2) for i in range(4)]
+        got = [Layout(zigzag=True, ring_degree=world_size).unshard([r[label][i] for r in per_rank], dim=2) for i in range(4)]
         q, k, v, dout = (x.double().requires_grad_() for x in full_inputs(hq, hkv, d, dtype))
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True)
         want.backward(dout.detach())

@@ -4,7 +4,6 @@ The model keeps its own attention; inputs are not sharded. Present so that scrip
 switch modes with one flag.
 """
 
-from ..layout import IDENTITY
 from ..modes import SeqParallelMode
 
-MODE = SeqParallelMode("data_parallel", IDENTITY, attention=None)
+MODE = SeqParallelMode("data_parallel", ring_degree=lambda sp, requested: 1, zigzag=False, attention=None)

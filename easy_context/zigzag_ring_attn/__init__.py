@@ -6,8 +6,7 @@ attention every ring step then costs each rank the same: half of a full local bl
 
 from __future__ import annotations
 
-from ..layout import ZIGZAG
-from ..modes import SeqParallelMode
+from ..modes import SeqParallelMode, fixed_ring_degree
 from ..ring import Block, ring_attention
 
 _ALL = slice(None)
@@ -31,7 +30,13 @@ PLAN = ZigzagPlan()
 
 
 def zigzag_ring_attention(q, k, v, scale, group=None):
+    """Causal attention of zigzag-sharded q/k/v over the ranks of `group`."""
     return ring_attention(q, k, v, scale, PLAN, group)
 
 
-MODE = SeqParallelMode("zigzag_ring_attn", ZIGZAG, zigzag_ring_attention)
+MODE = SeqParallelMode(
+    "zigzag_ring_attn",
+    ring_degree=fixed_ring_degree("zigzag_ring_attn", lambda sp: sp, "use usp_attn to mix a ring with Ulysses"),
+    zigzag=True,
+    attention=lambda q, k, v, scale, groups: zigzag_ring_attention(q, k, v, scale, groups.ring),
+)

@@ -1,0 +1,106 @@
+"""The process-group manager: world = dp_size x sp_size, and inside one SP group
+sp_size = ring_degree x ulysses_degree.
+
+Ranks [g*sp, (g+1)*sp) form SP group g and share one sequence; different SP groups read
+different data. Inside an SP group, Ulysses groups are neighbouring ranks (fast links within
+a node) and ring groups are strided ranks. Groups are created once per topology and cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["Topology", "SeqParallelGroups", "get_groups", "divisors"]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    sp_size: int
+    ring_degree: int
+
+    def __post_init__(self):
+        if self.sp_size < 1 or self.world_size % self.sp_size:
+            raise ValueError(
+                f"sp_size={self.sp_size} does not divide the world size {self.world_size}; "
+                f"choose one of {divisors(self.world_size)}"
+            )
+        if self.ring_degree < 1 or self.sp_size % self.ring_degree:
+            raise ValueError(
+                f"ring_degree={self.ring_degree} does not divide sp_size={self.sp_size}; "
+                f"choose one of {divisors(self.sp_size)}"
+            )
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.sp_size // self.ring_degree
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def sp_rank(self, rank: int) -> int:
+        return rank % self.sp_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.sp_size
+
+
+@dataclass(frozen=True)
+class SeqParallelGroups:
+    """This rank's groups; a group of one rank is None (nothing to communicate)."""
+
+    topology: Topology
+    sp_rank: int
+    sp: Optional[object]
+    ring: Optional[object]
+    ulysses: Optional[object]
+
+
+_cache: dict = {}
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int, world_size: int):
+    """Create one group per list (every rank must create every group, in the same order)."""
+    mine = None
+    for ranks in rank_lists:
+        if len(ranks) == world_size:
+            group = dist.group.WORLD
+        elif len(ranks) == 1:
+            group = None
+        else:
+            group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def get_groups(topology: Topology) -> SeqParallelGroups:
+    if not (dist.is_available() and dist.is_initialized()):
+        if topology.world_size != 1:
+            raise RuntimeError(f"torch.distributed is not initialised but the topology needs {topology.world_size} ranks")
+        return SeqParallelGroups(topology, 0, None, None, None)
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(f"world size is {dist.get_world_size()}, not {topology.world_size}")
+    key = (topology, id(dist.group.WORLD))
+    if key not in _cache:
+        rank, world = dist.get_rank(), topology.world_size
+        sp, u, r = topology.sp_size, topology.ulysses_degree, topology.ring_degree
+        sp_lists = [list(range(g * sp, (g + 1) * sp)) for g in range(world // sp)]
+        ulysses_lists = [first[i * u:(i + 1) * u] for first in sp_lists for i in range(r)]
+        ring_lists = [first[j::u] for first in sp_lists for j in range(u)]
+        _cache[key] = SeqParallelGroups(
+            topology,
+            topology.sp_rank(rank),
+            _new_groups(sp_lists, rank, world),
+            _new_groups(ring_lists, rank, world),
+            _new_groups(ulysses_lists, rank, world),
+        )
+    return _cache[key]
