@@ -82,6 +82,20 @@ def test_prepare_dataloader_shards_only_for_data_parallel():
     assert prepare_dataloader("zigzag_ring_attn", "loader", Accelerator()) == "loader"
 
 
+def test_prepare_dataloader_splits_batches_over_data_parallel_groups_only():
+    class Accelerator:
+        num_processes = 4
+
+        def __init__(self, rank):
+            self.process_index = rank
+
+    batches = list(range(11))
+    seen = [list(prepare_dataloader("zigzag_ring_attn", batches, Accelerator(r), sp_size=2)) for r in range(4)]
+    assert seen[0] == seen[1] == [0, 2, 4, 6, 8]  # SP group 0 (ranks 0, 1) reads the same batches
+    assert seen[2] == seen[3] == [1, 3, 5, 7, 9]  # SP group 1; the odd tail batch is dropped
+    assert len(prepare_dataloader("zigzag_ring_attn", batches, Accelerator(3), sp_size=2)) == 5
+
+
 def _runs_sequence_parallel(model, seq=32):
     FORWARD_CALLS.reset()
     ids, _ = tiny_batch(1, seq)

@@ -80,20 +80,60 @@ def test_kv_cache_decoding_is_refused(patched):
             model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
 
 
-def _missing_positions_worker(rank, world_size):
-    apply_seq_parallel_monkey_patch(MODE, "llama")
-    ids, _ = tiny_batch(1, 64)
-    local = prepare_seq_parallel_inputs(MODE, ids, None, None, rank, world_size, "cpu")
+def _error_of(fn):
     try:
-        with torch.no_grad():
-            tiny_model("llama")(input_ids=local["local_input_ids"])  # position_ids forgotten
+        fn()
     except ValueError as error:
         return str(error)
     return None
 
 
+def _two_rank_errors_worker(rank, world_size):
+    ids, _ = tiny_batch(1, 64)
+    apply_seq_parallel_monkey_patch(MODE, "llama")
+    local = prepare_seq_parallel_inputs(MODE, ids, None, None, rank, world_size, "cpu")
+    model = tiny_model("llama")
+    with torch.no_grad():
+        forgotten_positions = _error_of(lambda: model(input_ids=local["local_input_ids"]))
+        apply_seq_parallel_monkey_patch("ulysses_attn", "llama")
+        local = prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, rank, world_size, "cpu")
+        three_heads = tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, head_dim=16, hidden_size=48)
+        heads = _error_of(lambda: three_heads(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]))
+    return forgotten_positions, heads
+
+
 @pytest.mark.timeout(120)
-def test_forgotten_position_ids_are_refused_on_every_rank():
-    messages = run_ranks(_missing_positions_worker, 2)
-    for rank, message in enumerate(messages):
-        assert message and f"position_ids on rank {rank} of 2" in message and "local_position_ids" in message
+def test_forgotten_positions_and_unsplittable_heads_are_refused_on_every_rank():
+    for rank, (positions, heads) in enumerate(run_ranks(_two_rank_errors_worker, 2)):
+        assert positions and f"position_ids on rank {rank} of 2" in positions and "local_position_ids" in positions
+        assert heads and "num_attention_heads=3 does not split over ulysses_degree=2" in heads
+        assert "zigzag_ring_attn" in heads  # says what would work
+
+
+@pytest.mark.parametrize(
+    "mode,options,message",
+    [
+        ("zigzag_ring_attn", {"sp_size": 3}, "sp_size=3 does not divide the world size 4; choose one of \\[1, 2, 4\\]"),
+        ("usp_attn", {"ring_degree": 3}, "ring_degree=3 does not divide sp_size=4"),
+        ("zigzag_ring_attn", {"ring_degree": 2}, "zigzag_ring_attn uses ring_degree=4 for sp_size=4.*usp_attn"),
+        ("ulysses_attn", {"ring_degree": 2}, "ulysses_attn uses ring_degree=1"),
+        ("data_parallel", {"sp_size": 2}, "data_parallel has no sequence parallelism"),
+    ],
+)
+def test_impossible_parallel_layouts(mode, options, message):
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        prepare_seq_parallel_inputs(mode, ids, None, None, 0, 4, "cpu", **options)
+
+
+def test_usp_length_must_divide_ring_and_ulysses():
+    ids = torch.zeros(1, 36, dtype=torch.long)  # ring 2 (zigzag: 4 chunks) x Ulysses 2 needs a multiple of 8
+    with pytest.raises(ValueError, match="sequence length 36 is not divisible by 8"):
+        prepare_seq_parallel_inputs("usp_attn", ids, None, None, 0, 4, "cpu", ring_degree=2)
+
+
+def test_options_must_agree_with_the_patch(patched):
+    apply_seq_parallel_monkey_patch("usp_attn", "llama", ring_degree=1)
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    with pytest.raises(ValueError, match="ring_degree=2 differs from ring_degree=1"):
+        prepare_seq_parallel_inputs("usp_attn", ids, None, None, 0, 1, "cpu", ring_degree=2)
