@@ -122,7 +122,7 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
     layout = _active.mode.layout(topology)
     _check_supported(module, query, key, attention_mask, kwargs, groups.sp_rank, topology.sp_size, layout)
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
-    out = _active.mode.attention(query, key, value, scale, groups)
+    out = _active.mode.attention(query, key, value, scale, groups, layer=module)
     return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
 
 

@@ -41,17 +41,22 @@ class Backend(NamedTuple):
     backward: Callable  # (dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
 
 
-class _Counter:
-    """Counts forward kernel calls; tests use it to prove what was (not) recomputed."""
+class _ForwardCounter:
+    """Forward kernel calls and query x key products computed (a causal square block of n
+    rows counts n(n+1)/2); tests use it to prove what was recomputed and how work is spread."""
 
     def __init__(self) -> None:
-        self.value = 0
+        self.reset()
 
     def reset(self) -> None:
-        self.value = 0
+        self.calls = self.products = 0
+
+    def add(self, q_len: int, k_len: int, causal: bool) -> None:
+        self.calls += 1
+        self.products += q_len * (q_len + 1) // 2 if causal else q_len * k_len
 
 
-FORWARD_CALLS = _Counter()
+FORWARD_CALLS = _ForwardCounter()
 
 
 # --------------------------------------------------------------------------- math
@@ -224,7 +229,7 @@ def attention_forward(q, k, v, causal: bool, scale: float, backend: Backend | No
     """One attention block. Returns out (B, Hq, Sq, D) in q's dtype and lse (B, Hq, Sq) fp32."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square, got Sq={q.shape[2]} Sk={k.shape[2]}")
-    FORWARD_CALLS.value += 1
+    FORWARD_CALLS.add(q.shape[2], k.shape[2], causal)
     return (backend or select_backend(q)).forward(q, k, v, causal, scale)
 
 

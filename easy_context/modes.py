@@ -23,8 +23,9 @@ class SeqParallelMode:
     # (sp_size, requested ring_degree or None) -> ring_degree; raises for impossible requests.
     ring_degree: Callable[[int, Optional[int]], int]
     zigzag: bool
-    # (q, k, v, scale, groups: SeqParallelGroups) -> out; q (B, Hq, S_local, D),
-    # k/v (B, Hkv, S_local, D), out (B, Hq, S_local, D). None: the model's own attention.
+    # (q, k, v, scale, groups: SeqParallelGroups, layer=None) -> out; q (B, Hq, S_local, D),
+    # k/v (B, Hkv, S_local, D), out (B, Hq, S_local, D); layer is the HF attention module
+    # (a cache key for checkpoint-aware modes). None: the model's own attention.
     attention: Optional[Callable]
 
     def topology(self, world_size: int, sp_size: Optional[int] = None, ring_degree: Optional[int] = None) -> Topology:
@@ -58,7 +59,7 @@ def fixed_ring_degree(mode: str, value_of_sp: Callable[[int], int], hint: str):
 # Every mode the public API knows, and the subpackage that implements it (None: not built yet).
 _MODULES = {
     "zigzag_ring_attn": "easy_context.zigzag_ring_attn",
-    "dist_flash_attn": None,
+    "dist_flash_attn": "easy_context.dist_flash_attn",
     "ulysses_attn": "easy_context.ulysses_attn",
     "usp_attn": "easy_context.usp_attn",
     "data_parallel": "easy_context.data_parallel",

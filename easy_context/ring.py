@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .kernels import accumulation_dtype, attention_backward, attention_forward, select_backend
+from .p2p import Pending, exchange
 
 __all__ = ["Block", "RingPlan", "RingComm", "ring_attention", "merge_block"]
 
@@ -39,40 +40,25 @@ class RingPlan(Protocol):
         """
 
 
-class _Pending:
-    def __init__(self, works, received):
-        self._works, self._received = works, received
-
-    def wait(self) -> list[torch.Tensor]:
-        for work in self._works:
-            work.wait()
-        return self._received
-
-
 class RingComm:
-    """Point-to-point exchange with both ring neighbours of `group`, asynchronous.
+    """Exchange with both ring neighbours of `group`: send to rank+1, receive from rank-1.
 
     Every rank issues the same sequence of `start` calls, so the k-th message a rank sends
-    to its successor is matched by the successor's k-th receive: no tags are needed.
+    to its successor is matched by the successor's k-th receive.
     """
 
     def __init__(self, group):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.send_to = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.recv_from = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, tensors: Sequence[torch.Tensor]) -> _Pending:
-        ops, received = [], []
-        for tensor in tensors:
-            # gloo corrupts some non-contiguous buffers silently: always send contiguous.
-            tensor = tensor.contiguous()
-            buffer = torch.empty_like(tensor)
-            ops.append(dist.P2POp(dist.isend, tensor, self.send_to, self.group))
-            ops.append(dist.P2POp(dist.irecv, buffer, self.recv_from, self.group))
-            received.append(buffer)
-        return _Pending(dist.batch_isend_irecv(ops), received)
+    def start(self, tensors: Sequence[torch.Tensor]) -> Pending:
+        following, preceding = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        return exchange(
+            self.group,
+            [(following, t) for t in tensors],
+            [(preceding, torch.empty_like(t, memory_format=torch.contiguous_format)) for t in tensors],
+        )
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:

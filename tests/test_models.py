@@ -22,7 +22,11 @@ FP32_CASES = [(m, b, torch.float32, "sdpa") for m in MODEL_TYPES for b in (1, 2)
 BF16_CASES = [(m, 1, torch.bfloat16, "sdpa") for m in MODEL_TYPES]
 # (mode, world size, options). The tiny models have 4 query heads and 2 KV heads, so
 # Ulysses at 4 ranks replicates KV heads; sp_size=2 at 4 ranks runs two sequences side by side.
+# dist_flash_attn runs use lengths whose local share is not a multiple of 32 (60, 42, 30).
 RUNS = [
+    ("dist_flash_attn", 2, {"seq": 120}),
+    ("dist_flash_attn", 3, {"seq": 126}),
+    ("dist_flash_attn", 4, {"seq": 120}),
     ("zigzag_ring_attn", 1, {}),
     ("zigzag_ring_attn", 2, {}),
     ("zigzag_ring_attn", 4, {}),
@@ -54,6 +58,8 @@ def data_seed(dp_rank):
 
 
 def model_worker(rank, world_size, mode, options, cases):
+    options = dict(options)
+    seq = options.pop("seq", SEQ)
     for model_type in MODEL_TYPES:
         apply_seq_parallel_monkey_patch(mode, model_type, **options)
     sp_group = active_patch().groups().sp
@@ -62,7 +68,7 @@ def model_worker(rank, world_size, mode, options, cases):
     for case in cases:
         model_type, batch, dtype, impl = case
         model = tiny_model(model_type, dtype, attn_implementation=impl)
-        input_ids, target_ids = tiny_batch(batch, SEQ, seed=data_seed(dp_rank))
+        input_ids, target_ids = tiny_batch(batch, seq, seed=data_seed(dp_rank))
         local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
         logits, loss = step(model, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], sp_group)
         grads = {}
@@ -75,12 +81,12 @@ def model_worker(rank, world_size, mode, options, cases):
     return {"dp_rank": dp_rank, "results": results}
 
 
-def reference(case, dp_rank=0, weights_dtype=None):
+def reference(case, dp_rank=0, weights_dtype=None, seq=SEQ):
     """The unpatched model on the full sequence. weights_dtype=bf16 with case dtype fp32:
     the bf16 model's rounded weights run in fp32, the ground truth for bf16 errors."""
     model_type, batch, dtype, impl = case
     model = tiny_model(model_type, weights_dtype or dtype, attn_implementation=impl).to(dtype)
-    input_ids, target_ids = tiny_batch(batch, SEQ, seed=data_seed(dp_rank))
+    input_ids, target_ids = tiny_batch(batch, seq, seed=data_seed(dp_rank))
     logits, loss = step(model, input_ids, None, target_ids)
     return logits, loss, {n: p.grad.float() for n, p in model.named_parameters()}
 
@@ -105,14 +111,15 @@ def test_patched_models_match_single_process_fp32(mode, world_size, options):
         dp_rank = rank_result["dp_rank"]
         seen_dp_ranks.add(dp_rank)
         for case in FP32_CASES:
-            logits_err, loss_err, grad_err = errors(rank_result["results"][case], reference(case, dp_rank))
+            want = reference(case, dp_rank, seq=options.get("seq", SEQ))
+            logits_err, loss_err, grad_err = errors(rank_result["results"][case], want)
             print(f"{mode} P={world_size} {options} dp{dp_rank} {case}: logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}")
             assert logits_err <= 1e-4 and loss_err <= 1e-5 and grad_err <= 1e-4, (case, dp_rank)
     assert len(seen_dp_ranks) == world_size // options.get("sp_size", world_size)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn"])
+@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn", "dist_flash_attn"])
 def test_patched_models_match_single_process_bf16(mode):
     """bf16 bound: our error against the fp32 truth is at most 2x (plus 1/256) that of the
     unpatched bf16 model itself: sequence parallelism may round differently, never worse

@@ -56,7 +56,7 @@ def heads_to_seq(x, group):
     return _AllToAll.apply(x, group, _SEQ, _HEADS)
 
 
-def ulysses_attention(q, k, v, scale, groups):
+def ulysses_attention(q, k, v, scale, groups, layer=None):
     """Ulysses over groups.ulysses around a zigzag ring over groups.ring (a local kernel
     when the ring has one rank)."""
     degree, group = groups.topology.ulysses_degree, groups.ulysses

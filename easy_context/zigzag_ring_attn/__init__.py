@@ -38,5 +38,5 @@ MODE = SeqParallelMode(
     "zigzag_ring_attn",
     ring_degree=fixed_ring_degree("zigzag_ring_attn", lambda sp: sp, "use usp_attn to mix a ring with Ulysses"),
     zigzag=True,
-    attention=lambda q, k, v, scale, groups: zigzag_ring_attention(q, k, v, scale, groups.ring),
+    attention=lambda q, k, v, scale, groups, layer=None: zigzag_ring_attention(q, k, v, scale, groups.ring),
 )
