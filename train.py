@@ -1,0 +1,343 @@
+"""Train a Hugging Face causal LM on long sequences with sequence parallelism.
+
+    # CPU, 2 processes, zigzag ring attention, the embedded default (tiny Llama on the
+    # Python standard library's sources, byte tokenizer): a few minutes, loss falls.
+    torchrun --standalone --nproc_per_node 2 train.py --parallel_mode zigzag_ring_attn
+
+    # GPUs, DeepSpeed ZeRO-3 with CPU offload (see accelerate_configs/ and scripts/)
+    accelerate launch --config_file accelerate_configs/single_node.yaml train.py \
+        --model meta-llama/Llama-2-7b-hf --dataset PATH --seq-length 65536 --parallel_mode zigzag_ring_attn
+
+Read top to bottom: arguments -> accelerator -> model -> data -> optimizer/schedule ->
+resume -> loop (shard, chunked loss, backward, step, log, checkpoint) -> save_pretrained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import easy_context as ec
+from easy_context.data import byte_tokenizer, load_token_rows, stdlib_token_stream, windows
+from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
+from easy_context.modes import get_mode
+from easy_context.tiled_mlp import tile_mlps
+
+DEFAULT_MODEL = Path(__file__).parent / "configs" / "tiny-llama"
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="hub name or local path; default: the tiny Llama config in configs/ (random init)")
+    p.add_argument("--dataset", default=None, help="dataset with an input_ids column (hub name, save_to_disk folder, .jsonl/.parquet); default: the embedded stdlib corpus")
+    p.add_argument("--seq-length", type=int, default=2048, help="tokens per training sequence")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per sequence-parallel group")
+    p.add_argument("--gradient-accumulate-every", type=int, default=1)
+    p.add_argument("--max-train-steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 10%% of the steps), then linear decay to 0")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--rope-theta", type=float, default=None, help="override the model's RoPE base")
+    p.add_argument("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=ec.MODE_NAMES)
+    p.add_argument("--ring_degree", "--ring-degree", dest="ring_degree", type=int, default=None, help="usp_attn: ring part of the SP group")
+    p.add_argument("--sp-size", type=int, default=None, help="ranks sharing one sequence (default: all); world = dp x sp")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in the backward")
+    p.add_argument("--offload-checkpoints", action="store_true", help="keep checkpointed layer inputs in host memory (with --activation-checkpointing)")
+    p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS", help="run MLPs over sequence tiles of this many tokens (0: off)")
+    p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
+    p.add_argument("--output-dir", default="outputs/tiny-llama")
+    p.add_argument("--checkpointing-steps", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--wandb", default=None, metavar="PROJECT", help="log to Weights & Biases (project name)")
+    p.add_argument("--log-with", default="auto", choices=["auto", "none", "tensorboard", "wandb"], help="tracker (auto: tensorboard when installed)")
+    p.add_argument("--max-rows", type=int, default=None, help="use at most this many dataset rows")
+    args = p.parse_args(argv)
+
+    errors = []
+    for name in ("seq_length", "batch_size", "gradient_accumulate_every", "max_train_steps", "loss_chunk_size"):
+        if getattr(args, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.learning_rate <= 0:
+        errors.append(f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.offload_checkpoints and not args.activation_checkpointing:
+        errors.append("--offload-checkpoints needs --activation-checkpointing")
+    if args.tiled_mlp < 0:
+        errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
+    if args.ring_degree is not None and args.parallel_mode != "usp_attn":
+        errors.append(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
+    if errors:
+        p.error("; ".join(errors))
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.max_train_steps // 10)
+    return args
+
+
+def fail(message: str):
+    """A clear message instead of a traceback (every rank exits the same way)."""
+    print(f"train.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------- the model
+class CausalLMLoss(torch.nn.Module):
+    """The model plus its loss: returns this rank's loss sum, computed in chunks so the
+    full-vocabulary logits of the local sequence never exist at once."""
+
+    def __init__(self, model, loss_chunk_size: int):
+        super().__init__()
+        self.model, self.loss_chunk_size = model, loss_chunk_size
+
+    def forward(self, input_ids, position_ids, target_ids):
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return chunked_cross_entropy_sum(hidden, self.model.get_output_embeddings(), target_ids, self.loss_chunk_size)
+
+
+def load_model(args):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = args.model or str(DEFAULT_MODEL)
+    config = AutoConfig.from_pretrained(source)
+    if args.rope_theta is not None:
+        if isinstance(getattr(config, "rope_parameters", None), dict):
+            config.rope_parameters["rope_theta"] = args.rope_theta
+        else:
+            config.rope_theta = args.rope_theta
+    if config.model_type not in ec.SUPPORTED_MODEL_TYPES:
+        fail(f"model type {config.model_type!r} is not supported; supported: {list(ec.SUPPORTED_MODEL_TYPES)}")
+    config.use_cache = False
+    if args.model is None:  # the embedded default: random weights, byte tokenizer
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        tokenizer = byte_tokenizer()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, attn_implementation="sdpa", dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if args.activation_checkpointing:
+        model.activation_checkpointing_enable(offload=args.offload_checkpoints)
+    if args.tiled_mlp:
+        tile_mlps(model, args.tiled_mlp)
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- the data
+def load_rows(args, rows_needed: int) -> torch.Tensor:
+    """Rows of seq_length + 1 tokens (inputs and their next-token targets)."""
+    length = args.seq_length + 1
+    if args.dataset is None:
+        stream = stdlib_token_stream(max_tokens=rows_needed * length)
+        rows = windows(stream, length, args.max_rows)
+        if len(rows) == 0:
+            fail(f"the embedded corpus is shorter than one sequence of {length} tokens")
+        return rows
+    try:
+        return load_token_rows(args.dataset, length, max_rows=args.max_rows)
+    except ValueError as error:
+        fail(str(error))
+
+
+def micro_batch(rows: torch.Tensor, index: int, batch_size: int, dp_rank: int, dp_size: int, seed: int) -> torch.Tensor:
+    """Micro-batch `index` of data-parallel group `dp_rank`: a pure function of its arguments,
+    so a resumed run reads exactly what the uninterrupted run would have read."""
+    per_epoch = len(rows) // (batch_size * dp_size)
+    epoch, within = divmod(index, per_epoch)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
+    start = (within * dp_size + dp_rank) * batch_size
+    return rows[order[start:start + batch_size]]
+
+
+# ----------------------------------------------------------------------- checkpoints
+def checkpoint_dirs(output_dir: str) -> list[Path]:
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def resolve_resume(args) -> Path | None:
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = checkpoint_dirs(args.output_dir)
+        if not found:
+            fail(f"--resume-from-checkpoint latest: no checkpoint in {args.output_dir}")
+        return found[-1]
+    path = Path(args.resume_from_checkpoint)
+    if not (path / "trainer_state.json").exists():
+        fail(f"--resume-from-checkpoint {path}: not a checkpoint folder (no trainer_state.json)")
+    return path
+
+
+# These must match between a checkpoint and the run resuming it.
+RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree", "seed", "dataset", "model")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, DummyOptim, DummyScheduler, InitProcessGroupKwargs, set_seed
+    from tqdm.auto import tqdm
+
+    # ------------------------------------------------------------------- accelerator
+    tracker = "wandb" if args.wandb else args.log_with
+    if tracker == "auto":
+        import importlib.util
+
+        tracker = "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else "none"
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # by torchrun or accelerate launch
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulate_every,
+        log_with=None if tracker == "none" else tracker,
+        project_dir=args.output_dir,
+        kwargs_handlers=handlers,
+        # accelerate would step the schedule once per process (it assumes a sharded loader)
+        step_scheduler_with_optimizer=False,
+    )
+    rank, world = accelerator.process_index, accelerator.num_processes
+    set_seed(args.seed)
+
+    mode = get_mode(args.parallel_mode)
+    try:
+        topology = mode.topology(world, args.sp_size, args.ring_degree)
+        mode.layout(topology).check_length(args.seq_length)
+    except ValueError as error:
+        fail(f"{error} (--parallel_mode {args.parallel_mode}, {world} processes, --seq-length {args.seq_length})")
+    dp_rank, dp_size = topology.dp_rank(rank), topology.dp_size
+
+    # ------------------------------------------------------------------------- model
+    model, tokenizer = load_model(args)
+    model_type = model.config.model_type
+    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model_type, sp_size=args.sp_size, ring_degree=args.ring_degree)
+    trainable = CausalLMLoss(model, args.loss_chunk_size)
+
+    # -------------------------------------------------------------------------- data
+    micro_batches = args.max_train_steps * args.gradient_accumulate_every
+    rows = load_rows(args, rows_needed=micro_batches * args.batch_size * dp_size)
+    if len(rows) < args.batch_size * dp_size:
+        fail(f"{len(rows)} rows of {args.seq_length + 1} tokens are fewer than one step needs ({args.batch_size * dp_size})")
+
+    # ----------------------------------------------------------- optimizer, schedule
+    deepspeed = accelerator.state.deepspeed_plugin
+    ds_config = deepspeed.deepspeed_config if deepspeed is not None else {}
+    if deepspeed is not None:
+        ds_config["train_micro_batch_size_per_gpu"] = args.batch_size
+    params = [p for p in trainable.parameters() if p.requires_grad]
+    if "optimizer" in ds_config:  # the DeepSpeed json builds it; "auto" values come from our flags
+        optimizer = DummyOptim(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    if "scheduler" in ds_config:
+        scheduler = DummyScheduler(optimizer, total_num_steps=args.max_train_steps, warmup_num_steps=args.warmup_steps)
+    else:
+        from transformers import get_linear_schedule_with_warmup
+
+        scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, args.max_train_steps)
+    trainable, optimizer, scheduler = accelerator.prepare(trainable, optimizer, scheduler)
+    # Under torchrun on CPU accelerate runs each process on its own (DistributedType.NO):
+    # average the gradients ourselves, as DDP / DeepSpeed do elsewhere.
+    manual_sync = world > 1 and accelerator.distributed_type == DistributedType.NO
+
+    # ------------------------------------------------------------------------ resume
+    step = 0
+    resume = resolve_resume(args)
+    if resume is not None:
+        state = json.loads((resume / "trainer_state.json").read_text())
+        changed = {k: (state["args"].get(k), getattr(args, k)) for k in RESUME_KEYS if state["args"].get(k) != getattr(args, k)}
+        if changed:
+            fail(f"cannot resume {resume}: these flags differ from the checkpoint (checkpoint, now): {changed}")
+        accelerator.load_state(str(resume))
+        step = state["step"]
+        accelerator.print(f"resumed from {resume} at step {step}")
+
+    log_path = Path(args.output_dir) / "train_log.jsonl"
+    if accelerator.is_main_process:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            log_path.unlink(missing_ok=True)  # a fresh run starts a fresh log
+    if accelerator.is_main_process and tracker != "none":
+        accelerator.init_trackers(args.wandb or "easy-context", config={k: v for k, v in vars(args).items() if v is not None})
+
+    # -------------------------------------------------------------------------- loop
+    tokens_per_step = args.seq_length * args.batch_size * args.gradient_accumulate_every * dp_size
+    bar = tqdm(total=args.max_train_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
+    trainable.train()
+    loss = float("nan")
+    while step < args.max_train_steps:
+        started, step_sum, step_count = time.perf_counter(), 0.0, 0.0
+        for micro in range(args.gradient_accumulate_every):
+            batch = micro_batch(rows, step * args.gradient_accumulate_every + micro, args.batch_size, dp_rank, dp_size, args.seed)
+            local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], None, batch[:, 1:], rank, world, accelerator.device)
+            with accelerator.accumulate(trainable):
+                loss_sum = trainable(local["local_input_ids"], local["local_position_ids"], local["local_target_ids"])
+                # Gradients are averaged over all ranks by DDP/DeepSpeed; scale so the result is
+                # the token-weighted mean over every token of every rank.
+                loss_for_backward, micro_mean = global_token_mean(loss_sum, local["local_target_ids"])
+                accelerator.backward(loss_for_backward)
+                if manual_sync and accelerator.sync_gradients:
+                    average_gradients(params)
+                optimizer.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
+                optimizer.zero_grad()
+            step_sum += micro_mean.item()
+            step_count += 1
+        step += 1
+        loss = step_sum / step_count
+        elapsed = time.perf_counter() - started
+        lr = scheduler.get_last_lr()[0]
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", ppl=f"{math.exp(min(loss, 50)):.2f}", tok_s=f"{tokens_per_step / elapsed:.0f}", lr=f"{lr:.2e}")
+        accelerator.log({"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens_per_s": tokens_per_step / elapsed, "lr": lr}, step=step)
+        if accelerator.is_main_process:
+            with open(log_path, "a") as log:
+                log.write(json.dumps({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / elapsed}) + "\n")
+        if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < args.max_train_steps:
+            save_checkpoint(accelerator, args, step)
+    bar.close()
+
+    # -------------------------------------------------------------------------- save
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(trainable)
+    if accelerator.is_main_process:
+        state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        unwrapped = accelerator.unwrap_model(trainable).model
+        unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(args.output_dir)
+        accelerator.print(f"saved the model to {args.output_dir} (final loss {loss:.4f})")
+    accelerator.end_training()
+    ec.remove_seq_parallel_monkey_patch()
+    return loss
+
+
+def average_gradients(params) -> None:
+    """All-reduce (mean) every gradient over all ranks, as one flat buffer."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def save_checkpoint(accelerator, args, step: int):
+    path = Path(args.output_dir) / f"checkpoint-{step}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        state = {"step": step, "args": {k: getattr(args, k) for k in RESUME_KEYS}}
+        (path / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
