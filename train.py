@@ -96,6 +96,10 @@ class CausalLMLoss(torch.nn.Module):
         super().__init__()
         self.model, self.loss_chunk_size = model, loss_chunk_size
 
+    @property
+    def config(self):  # accelerate reads hidden_size from here to size DeepSpeed's buckets
+        return self.model.config
+
     def forward(self, input_ids, position_ids, target_ids):
         hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         return chunked_cross_entropy_sum(hidden, self.model.get_output_embeddings(), target_ids, self.loss_chunk_size)
@@ -234,7 +238,9 @@ def main(argv=None):
     else:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if "scheduler" in ds_config:
-        scheduler = DummyScheduler(optimizer, total_num_steps=args.max_train_steps, warmup_num_steps=args.warmup_steps)
+        # accelerate divides total_num_steps by the process count (it assumes every process
+        # reads its own batches); our step count is global, so undo that.
+        scheduler = DummyScheduler(optimizer, total_num_steps=args.max_train_steps * world, warmup_num_steps=args.warmup_steps)
     else:
         from transformers import get_linear_schedule_with_warmup
 
@@ -292,6 +298,7 @@ def main(argv=None):
         loss = step_sum / step_count
         elapsed = time.perf_counter() - started
         lr = scheduler.get_last_lr()[0]
+
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", ppl=f"{math.exp(min(loss, 50)):.2f}", tok_s=f"{tokens_per_step / elapsed:.0f}", lr=f"{lr:.2e}")
         accelerator.log({"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens_per_s": tokens_per_step / elapsed, "lr": lr}, step=step)
