@@ -5,7 +5,7 @@ backward takes the *global* (merged) output and log-sum-exp, which is what lets 
 compute exact gradients block by block.
 
 Layout everywhere: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0 (GQA is never
-materialised by the caller), lse (B, Hq, Sq) in fp32, natural log.
+materialised by the caller), lse (B, Hq, Sq) in fp32 (fp64 for fp64 inputs), natural log.
 
 Backends, picked per call from the tensors' device (override with EASY_CONTEXT_KERNEL):
   cpu_flash    torch's fused CPU flash-attention op (private aten op, pinned by tests)
@@ -226,7 +226,8 @@ def select_backend(q: torch.Tensor) -> Backend:
 
 
 def attention_forward(q, k, v, causal: bool, scale: float, backend: Backend | None = None):
-    """One attention block. Returns out (B, Hq, Sq, D) in q's dtype and lse (B, Hq, Sq) fp32."""
+    """One attention block. Returns out (B, Hq, Sq, D) in q's dtype and lse (B, Hq, Sq) in
+    accumulation_dtype(q.dtype)."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square, got Sq={q.shape[2]} Sk={k.shape[2]}")
     FORWARD_CALLS.add(q.shape[2], k.shape[2], causal)

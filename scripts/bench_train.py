@@ -1,0 +1,159 @@
+"""One training step of a tiny Llama (vocab 32000): our modes and memory options vs plain HF.
+
+    python scripts/bench_train.py --seq-lengths 4096,8192 [--csv out.csv]
+
+Rows, each in fresh processes (CPU, gloo, 2 threads in all):
+  hf-plain        1 process: the unpatched model, sdpa, no checkpointing, full logits,
+                  HF's own loss (model(input_ids, labels=...)).
+  MODE P=2        2 processes: our attention, loss in one chunk (full local logits), no
+                  checkpointing.
+  MODE P=2 +mem   2 processes: + activation checkpointing, tiled MLP (1024 tokens),
+                  chunked loss (1024 tokens).
+Columns: tokens/s of the whole step (all ranks together; the second step), per-rank peak
+memory of the first step (peak RSS above the RSS of the built model, from /proc/self/status
+VmHWM after resetting it through /proc/self/clear_refs), and that peak per token the rank
+holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _model(vocab: int, checkpointing: bool, tile: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from easy_context.tiled_mlp import tile_mlps
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    if tile:
+        tile_mlps(model, tile)
+    return model
+
+
+def _worker(rank, world, spec, workdir):
+    torch.set_num_threads(max(1, 2 // world))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+    import easy_context as ec
+    from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
+
+    seq, mode, memory, vocab = spec["seq"], spec["mode"], spec["memory"], spec["vocab"]
+    model = _model(vocab, checkpointing=memory, tile=1024 if memory else 0)
+    tokens = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(1))
+    if mode is None:  # plain HF: full logits, HF's loss
+        def step():
+            model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss.backward()
+        local_tokens = seq
+    else:
+        ec.apply_seq_parallel_monkey_patch(mode, "llama")
+        local = ec.prepare_seq_parallel_inputs(mode, tokens[:, :-1], None, tokens[:, 1:], rank, world, "cpu")
+        chunk = 1024 if memory else seq
+
+        def step():
+            hidden = model.get_decoder()(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]).last_hidden_state
+            loss_sum = chunked_cross_entropy_sum(hidden, model.get_output_embeddings(), local["local_target_ids"], chunk)
+            global_token_mean(loss_sum, local["local_target_ids"])[0].backward()
+        local_tokens = local["local_input_ids"].shape[1]
+    # Memory: the first step, measured from the RSS of the built model (a warm-up would
+    # leave freed memory resident in the allocator and hide part of the peak).
+    before = _rss("VmRSS:")
+    _reset_peak()
+    step()
+    peak = _rss("VmHWM:") - before
+    model.zero_grad(set_to_none=True)
+    # Time: the second step.
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    step()
+    if world > 1:
+        dist.barrier()
+    elapsed = time.perf_counter() - start
+    with open(f"{workdir}/result{rank}", "w") as f:
+        f.write(f"{elapsed} {peak} {local_tokens}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run(spec, world):
+    with tempfile.TemporaryDirectory() as workdir:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world, spec, workdir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(1800)
+        if any(p.exitcode != 0 for p in procs):
+            return None
+        values = [list(map(float, open(f"{workdir}/result{r}").read().split())) for r in range(world)]
+    elapsed = max(v[0] for v in values)
+    peak = max(v[1] for v in values)
+    return {"tokens_per_s": spec["seq"] / elapsed, "step_s": elapsed, "peak_mib": peak / 2**20,
+            "bytes_per_token": peak / values[0][2]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lengths", default="4096,8192")
+    parser.add_argument("--modes", default="zigzag_ring_attn")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--smoke", action="store_true", help="one tiny size, for CI")
+    args = parser.parse_args()
+    seqs = [512] if args.smoke else [int(s) for s in args.seq_lengths.split(",")]
+    vocab = 1000 if args.smoke else args.vocab
+    rows = []
+    for seq in seqs:
+        configs = [("hf-plain", None, False, 1)]
+        for mode in args.modes.split(","):
+            configs += [(f"{mode} P=2", mode, False, 2), (f"{mode} P=2 +mem", mode, True, 2)]
+        for name, mode, memory, world in configs:
+            result = run({"seq": seq, "mode": mode, "memory": memory, "vocab": vocab}, world)
+            row = {"config": name, "seq": seq, **(result or {"tokens_per_s": float("nan"), "step_s": float("nan"),
+                                                            "peak_mib": float("nan"), "bytes_per_token": float("nan")})}
+            rows.append(row)
+            print(f"| {name} | {seq} | {row['tokens_per_s']:.0f} | {row['step_s']:.2f} | {row['peak_mib']:.0f} | "
+                  f"{row['bytes_per_token'] / 1024:.1f} |", flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    print("| config | S | tokens/s | step s | peak MiB/rank | peak KiB/token |\n|---|---|---|---|---|---|", flush=True)
+    main()
