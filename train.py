@@ -185,7 +185,7 @@ RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "paralle
 def main(argv=None):
     args = parse_args(argv)
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, DummyOptim, DummyScheduler, InitProcessGroupKwargs, set_seed
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
     from tqdm.auto import tqdm
 
     # ------------------------------------------------------------------- accelerator
@@ -234,10 +234,14 @@ def main(argv=None):
         ds_config["train_micro_batch_size_per_gpu"] = args.batch_size
     params = [p for p in trainable.parameters() if p.requires_grad]
     if "optimizer" in ds_config:  # the DeepSpeed json builds it; "auto" values come from our flags
+        from accelerate.utils import DummyOptim  # exported only when deepspeed is installed
+
         optimizer = DummyOptim(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if "scheduler" in ds_config:
+        from accelerate.utils import DummyScheduler
+
         # accelerate divides total_num_steps by the process count (it assumes every process
         # reads its own batches); our step count is global, so undo that.
         scheduler = DummyScheduler(optimizer, total_num_steps=args.max_train_steps * world, warmup_num_steps=args.warmup_steps)
