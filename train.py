@@ -70,6 +70,10 @@ def parse_args(argv=None):
         errors.append(f"--learning-rate must be > 0, got {args.learning_rate}")
     if args.offload_checkpoints and not args.activation_checkpointing:
         errors.append("--offload-checkpoints needs --activation-checkpointing")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.max_train_steps:
+        errors.append(f"--warmup-steps must be between 0 and --max-train-steps ({args.max_train_steps}), got {args.warmup_steps}")
+    if args.checkpointing_steps < 0:
+        errors.append(f"--checkpointing-steps must be >= 0, got {args.checkpointing_steps}")
     if args.tiled_mlp < 0:
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
     if args.ring_degree is not None and args.parallel_mode != "usp_attn":
@@ -105,7 +109,7 @@ class CausalLMLoss(torch.nn.Module):
         return chunked_cross_entropy_sum(hidden, self.model.get_output_embeddings(), target_ids, self.loss_chunk_size)
 
 
-def load_model(args):
+def load_model(args, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = args.model or str(DEFAULT_MODEL)
@@ -120,16 +124,30 @@ def load_model(args):
     config.use_cache = False
     if args.model is None:  # the embedded default: random weights, byte tokenizer
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
         tokenizer = byte_tokenizer()
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, attn_implementation="sdpa", dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, attn_implementation="sdpa", dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source)
     if args.activation_checkpointing:
         model.activation_checkpointing_enable(offload=args.offload_checkpoints)
     if args.tiled_mlp:
         tile_mlps(model, args.tiled_mlp)
     return model, tokenizer
+
+
+def check_model(config, args, topology) -> None:
+    """What sequence parallelism cannot run yet, said before the first step (not from inside it)."""
+    if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        fail(f"the model has attention_dropout={config.attention_dropout}; sequence parallelism needs 0.0")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < args.seq_length:
+        fail(f"the model's sliding_window={window} is shorter than --seq-length {args.seq_length}; "
+             f"use --seq-length <= {window} or a model without a window")
+    heads = config.num_attention_heads
+    if heads % topology.ulysses_degree:
+        fail(f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "
+             f"(--parallel_mode {args.parallel_mode}); use a degree dividing {heads} (--ring_degree with usp_attn) or zigzag_ring_attn")
 
 
 # ----------------------------------------------------------------------------- the data
@@ -144,8 +162,8 @@ def load_rows(args, rows_needed: int) -> torch.Tensor:
         return rows
     try:
         return load_token_rows(args.dataset, length, max_rows=args.max_rows)
-    except ValueError as error:
-        fail(str(error))
+    except (ValueError, OSError) as error:
+        fail(f"--dataset {args.dataset}: {error}")
 
 
 def micro_batch(rows: torch.Tensor, index: int, batch_size: int, dp_rank: int, dp_size: int, seed: int) -> torch.Tensor:
@@ -178,8 +196,11 @@ def resolve_resume(args) -> Path | None:
     return path
 
 
-# These must match between a checkpoint and the run resuming it.
-RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree", "seed", "dataset", "model")
+# These shape the data order, the schedule or the model: a resumed run must use the same
+# values (and the same number of processes) to continue exactly.
+RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree",
+               "seed", "dataset", "model", "max_rows", "max_train_steps", "learning_rate", "warmup_steps",
+               "weight_decay", "rope_theta", "world_size")
 
 
 def main(argv=None):
@@ -216,7 +237,11 @@ def main(argv=None):
     dp_rank, dp_size = topology.dp_rank(rank), topology.dp_size
 
     # ------------------------------------------------------------------------- model
-    model, tokenizer = load_model(args)
+    # bf16 weights only where DeepSpeed keeps fp32 master weights; otherwise fp32 weights
+    # (with --mixed_precision bf16, accelerate autocasts the compute).
+    deepspeed_bf16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16"
+    model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32)
+    check_model(model.config, args, topology)
     model_type = model.config.model_type
     ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model_type, sp_size=args.sp_size, ring_degree=args.ring_degree)
     trainable = CausalLMLoss(model, args.loss_chunk_size)
@@ -259,6 +284,7 @@ def main(argv=None):
     resume = resolve_resume(args)
     if resume is not None:
         state = json.loads((resume / "trainer_state.json").read_text())
+        args.world_size = world
         changed = {k: (state["args"].get(k), getattr(args, k)) for k in RESUME_KEYS if state["args"].get(k) != getattr(args, k)}
         if changed:
             fail(f"cannot resume {resume}: these flags differ from the checkpoint (checkpoint, now): {changed}")
@@ -344,6 +370,7 @@ def save_checkpoint(accelerator, args, step: int):
     path = Path(args.output_dir) / f"checkpoint-{step}"
     accelerator.save_state(str(path))
     if accelerator.is_main_process:
+        args.world_size = accelerator.num_processes
         state = {"step": step, "args": {k: getattr(args, k) for k in RESUME_KEYS}}
         (path / "trainer_state.json").write_text(json.dumps(state, indent=1))
     accelerator.wait_for_everyone()

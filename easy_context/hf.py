@@ -32,7 +32,10 @@ from .process_groups import SeqParallelGroups, get_groups
 __all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "install", "uninstall", "active_patch", "world_size"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_PATCHED_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+# Implementations a patched model may use (each becomes sequence parallel). Every other name
+# in the registries is dispatched too, so a patched model on, say, flex_attention is refused
+# instead of silently attending within its shard only.
+SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _MISSING = object()
 
 
@@ -65,6 +68,21 @@ def _is_patched(config) -> bool:
 
 
 # ----------------------------------------------------------------------- checks
+def _raise_on_every_rank(ok: bool, message: str) -> None:
+    """Raise `message` here if not ok, and on every other rank of the SP group too (one tiny
+    all-reduce), so no rank is left waiting in the attention's collectives."""
+    group = _active.groups().sp
+    if group is not None:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if not ok:
+            raise ValueError(message)
+        if not flag.item():
+            raise ValueError("another rank of the sequence-parallel group refused its inputs; see that rank's error")
+    elif not ok:
+        raise ValueError(message)
+
+
 def _check_positions(position_ids: torch.Tensor, layout: Layout, rank: int, size: int) -> None:
     """Local position_ids must be this rank's share of one contiguous sequence.
 
@@ -73,14 +91,14 @@ def _check_positions(position_ids: torch.Tensor, layout: Layout, rank: int, size
     """
     expected = layout.local_indices(position_ids.shape[-1] * size, rank).to(position_ids.device)
     offset = position_ids[..., :1] - expected[:1]
-    if bool((offset >= 0).all()) and bool((position_ids == offset + expected).all()):
-        return
-    raise ValueError(
+    ok = bool((offset >= 0).all()) and bool((position_ids == offset + expected).all())
+    message = (
         f"position_ids on rank {rank} of {size} are not this rank's {layout.name} share of one "
         f"contiguous sequence (first values: {position_ids[0, :4].tolist()}). Pass the "
         "`local_position_ids` returned by prepare_seq_parallel_inputs; packed sequences "
         "(positions restarting inside a row) are not supported yet."
     )
+    _raise_on_every_rank(ok, message)
 
 
 def _check_supported(module, query, key, attention_mask, kwargs, rank, size, layout) -> None:
@@ -131,12 +149,27 @@ def _original_attention(name, module):
     if original is not _MISSING:
         return original
     # "eager" is not in the registry by default: each model module has its own function.
-    return sys.modules[type(module).__module__].eager_attention_forward
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses eager attention but its module has no eager_attention_forward; "
+            "call remove_seq_parallel_monkey_patch() before using this model, or give it attn_implementation='sdpa'"
+        )
+    return eager
+
+
+def _refuse_implementation(name):
+    raise ValueError(
+        f"attn_implementation={name!r} is not supported under sequence parallelism (it would attend "
+        f"within each rank's shard only); load the model with one of {list(SUPPORTED_IMPLEMENTATIONS)}"
+    )
 
 
 def _make_attention_dispatcher(name):
     def attention(module, query, key, value, attention_mask, **kwargs):
         if _is_patched(getattr(module, "config", None)):
+            if name not in SUPPORTED_IMPLEMENTATIONS:
+                _refuse_implementation(name)
             return _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs)
         return _original_attention(name, module)(module, query, key, value, attention_mask, **kwargs)
 
@@ -148,11 +181,16 @@ def _make_mask_dispatcher(name, original):
     def mask(*args, **kwargs):
         if not _is_patched(kwargs.get("config")):
             return original(*args, **kwargs)
+        if name not in SUPPORTED_IMPLEMENTATIONS:
+            _refuse_implementation(name)
         padding = kwargs.get("attention_mask")
-        if padding is not None and not bool(padding.all()):
-            raise ValueError(
+        if padding is not None:
+            # Every rank of the group takes part, so a mask with zeros on one shard only
+            # stops all of them instead of leaving the others waiting in a collective.
+            _raise_on_every_rank(
+                bool(padding.all()),
                 "a padding attention_mask (zeros present) is not supported under sequence "
-                "parallelism yet; pack or trim rows to full length, or drop the mask"
+                "parallelism yet; pack or trim rows to full length, or drop the mask",
             )
         return None  # causal attention over the whole sharded sequence needs no mask
 
@@ -168,19 +206,19 @@ def install(patch: ActivePatch) -> None:
         return
     attention_map = AttentionInterface._global_mapping
     mask_map = AttentionMaskInterface._global_mapping
-    for name in _PATCHED_IMPLEMENTATIONS:
+    for name in sorted(set(attention_map) | set(SUPPORTED_IMPLEMENTATIONS)):
         _saved[(id(attention_map), name)] = attention_map.get(name, _MISSING)
         attention_map[name] = _make_attention_dispatcher(name)
-        original_mask = mask_map[name]
-        _saved[(id(mask_map), name)] = original_mask
-        mask_map[name] = _make_mask_dispatcher(name, original_mask)
+    for name in list(mask_map):
+        _saved[(id(mask_map), name)] = mask_map[name]
+        mask_map[name] = _make_mask_dispatcher(name, mask_map[name])
 
 
 def uninstall() -> None:
     global _active
     _active = None
     for registry in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping):
-        for name in _PATCHED_IMPLEMENTATIONS:
+        for name in list(registry):
             original = _saved.pop((id(registry), name), None)
             if original is _MISSING:
                 registry.pop(name, None)

@@ -96,11 +96,17 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
         sp_lists = [list(range(g * sp, (g + 1) * sp)) for g in range(world // sp)]
         ulysses_lists = [first[i * u:(i + 1) * u] for first in sp_lists for i in range(r)]
         ring_lists = [first[j::u] for first in sp_lists for j in range(u)]
-        _cache[key] = SeqParallelGroups(
+        groups = SeqParallelGroups(
             topology,
             topology.sp_rank(rank),
             _new_groups(sp_lists, rank, world),
             _new_groups(ring_lists, rank, world),
             _new_groups(ulysses_lists, rank, world),
         )
+        # A collective on each new group before its first point-to-point: NCCL requires that
+        # a group's first operation involve all of its ranks (dist_flash_attn's does not).
+        for group in (groups.sp, groups.ring, groups.ulysses):
+            if group is not None:
+                dist.barrier(group=group)
+        _cache[key] = groups
     return _cache[key]

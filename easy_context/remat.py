@@ -27,13 +27,17 @@ def in_backward() -> bool:
 
 
 def _fingerprint(q, k, v) -> torch.Tensor:
-    return torch.stack([x.detach().float().sum() for x in (q, k, v)])
+    # Compared bit for bit (as integers), so a NaN/inf fingerprint still matches its
+    # recomputation and every rank takes the same path through the distributed schedule.
+    return torch.stack([x.detach().float().sum() for x in (q, k, v)]).view(torch.int32)
 
 
 class AttentionOutputCache:
-    def __init__(self, per_layer: int = 2):
+    def __init__(self, per_layer: int = 1):
         # At most `per_layer` outputs per layer: bounds what a forward that is never
-        # followed by a backward (model.train() under no_grad) can leave behind.
+        # followed by a backward (model.train() under no_grad) can leave behind. One is
+        # enough for forward/backward alternation, gradient accumulation included; a miss
+        # only costs a recomputation.
         self._entries = weakref.WeakKeyDictionary()
         self._per_layer = per_layer
 

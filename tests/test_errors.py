@@ -137,3 +137,17 @@ def test_options_must_agree_with_the_patch(patched):
     ids = torch.zeros(1, 64, dtype=torch.long)
     with pytest.raises(ValueError, match="ring_degree=2 differs from ring_degree=1"):
         prepare_seq_parallel_inputs("usp_attn", ids, None, None, 0, 1, "cpu", ring_degree=2)
+
+
+def test_patched_model_on_an_unsupported_attention_implementation_is_refused(patched):
+    from types import SimpleNamespace
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    module = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
+    q = torch.zeros(1, 4, 8, 16)
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
+        AttentionInterface._global_mapping["flex_attention"](module, q, q, q, None)
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_3' is not supported"):
+        AttentionMaskInterface._global_mapping["flash_attention_3"](config=module.config)

@@ -54,8 +54,6 @@ def _worker(u):
 def _forward(q, k, v, scale, group, me, rounds):
     backend, q_len = select_backend(q), q.shape[2]
     rows = lambda u, x: x[:, :, u.rows(q_len)]  # noqa: E731  (rows of a q-side tensor)
-    out, lse = attention_forward(q, k, v, True, scale, backend)
-    out, lse = out.to(accumulation_dtype(q.dtype)), lse.contiguous()
 
     def fetch(units):
         return (
@@ -63,11 +61,15 @@ def _forward(q, k, v, scale, group, me, rounds):
             _transfer(group, me, units, _kv_owner, _worker, lambda i, u: [k, v], lambda u: [k, v]),
         )
 
+    pending = fetch(rounds[1]) if len(rounds) > 1 else None  # in flight during the diagonal
+    out, lse = attention_forward(q, k, v, True, scale, backend)
+    out, lse = out.to(accumulation_dtype(q.dtype)), lse.contiguous()
+
     def merge(unit, block_out, block_lse):
         r = unit.rows(q_len)
         merge_block(out[:, :, r], lse[:, :, r], block_out, block_lse)
 
-    pending, returning = fetch(rounds[1]) if len(rounds) > 1 else None, None
+    returning = None
     for t in range(1, len(rounds)):
         units = rounds[t]
         fetched_q, fetched_kv = (p.wait() for p in pending)
@@ -103,14 +105,16 @@ def _backward(dout, q, k, v, out, lse, scale, group, me, rounds):
     backend, q_len, acc = select_backend(q), q.shape[2], accumulation_dtype(q.dtype)
     rows = lambda u, x: x[:, :, u.rows(q_len)]  # noqa: E731
     q_side = lambda u: [rows(u, x) for x in (q, dout, out, lse)]  # noqa: E731
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, True, scale, backend)
-    dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
 
     def fetch(units):
         return (
             _transfer(group, me, units, _q_owner, _worker, lambda i, u: q_side(u), q_side),
             _transfer(group, me, units, _kv_owner, _worker, lambda i, u: [k, v], lambda u: [k, v]),
         )
+
+    pending = fetch(rounds[1]) if len(rounds) > 1 else None  # in flight during the diagonal
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, True, scale, backend)
+    dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
 
     def send_back(units, grads):
         return (
@@ -126,7 +130,7 @@ def _backward(dout, q, k, v, out, lse, scale, group, me, rounds):
             dk.add_(block_dk)
             dv.add_(block_dv)
 
-    pending, returning = fetch(rounds[1]) if len(rounds) > 1 else None, None
+    returning = None
     for t in range(1, len(rounds)):
         units = rounds[t]
         fetched_q, fetched_kv = (p.wait() for p in pending)
