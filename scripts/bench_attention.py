@@ -1,0 +1,805 @@
+#!/usr/bin/env python
+"""Benchmark ONE causal attention layer, forward + backward, under sequence parallelism on CPU.
+
+Side by side, in one run, for every sequence length and world size asked for:
+
+  baseline            one process, 2 threads, the whole sequence through
+                      torch.nn.functional.scaled_dot_product_attention (is_causal, enable_gqa)
+  <easy_context mode> P spawned processes over gloo, one per rank, each holding its shard of
+                      q/k/v in the mode's own layout, calling the mode's attention exactly as
+                      easy_context.hf does (every mode in easy_context.BUILT_MODES except
+                      data_parallel; new modes are picked up automatically)
+  deepspeed_ulysses   DeepSpeed's own HF Ulysses (UlyssesSPAttentionHF) at the same P, on a
+                      gloo group, with torch SDPA as the inner attention (skipped, with the
+                      reason in the table, when deepspeed is missing or fails)
+
+Every configuration runs in fresh processes, so memory numbers do not leak between them.
+Measured per configuration:
+
+  time        median over --iters steps (after one warm-up step) of the fwd+bwd wall time;
+              per step the slowest rank counts (ranks start each step on a barrier)
+  peak MiB    per rank: ru_maxrss (getrusage, RUSAGE_SELF) after the last step minus the
+              RSS read from /proc/self/statm just before the warm-up step, i.e. how much the
+              resident set grew at its peak while the steps ran (inputs already allocated).
+              The kernel's high-water mark is reset (/proc/self/clear_refs = 5) right before,
+              when allowed, so earlier transient allocations do not count.
+  comm MiB    per rank per fwd+bwd, analytic (formulas below), and as counted by wrapping
+              torch.distributed's send/all-to-all/all-gather calls during the steps
+
+Usage:
+  python scripts/bench_attention.py --seq-len 4096,8192 --world-sizes 2 --csv out.csv --plot out.png
+  python scripts/bench_attention.py --smoke         # tiny, ~30 s, also checks results vs SDPA
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import math
+import multiprocessing as mp
+import os
+import queue as queue_module
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import types
+
+# Keep the driver process free of torch: spawned children inherit (through fork+exec) the
+# parent's high-water RSS into their own ru_maxrss, so a light parent keeps that number honest.
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_CORES = 2  # the machine this benchmark is written for (see docs/benchmarks.md)
+BASELINE = "baseline"
+DEEPSPEED = "deepspeed_ulysses"
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MiB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------- modes
+def probe(want_deepspeed: bool):
+    """(easy_context's sequence-parallel modes, why deepspeed cannot run or None), found in
+    a throwaway child so that the driver never imports torch."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_probe, args=(q, want_deepspeed))
+    p.start()
+    try:
+        modes, ds_problem = q.get(timeout=300)
+    except queue_module.Empty:
+        modes, ds_problem = "probe timed out", "probe timed out"
+    p.join(30)
+    if p.is_alive():
+        p.kill()
+    if isinstance(modes, str):
+        raise SystemExit(f"cannot import easy_context: {modes}")
+    return [m for m in modes if m != "data_parallel"], ds_problem
+
+
+def _probe(q, want_deepspeed):
+    sys.path.insert(0, REPO_ROOT)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        modes = list(import_easy_context_modes()[0].BUILT_MODES)
+    except Exception as exc:
+        modes = f"{type(exc).__name__}: {exc}"
+    ds_problem = None
+    # Only whether it is installed: importing it here would cost seconds; an import that
+    # fails later is reported in deepspeed's own row (it always runs last).
+    if want_deepspeed and importlib.util.find_spec("deepspeed") is None:
+        ds_problem = "deepspeed is not installed (see docs/benchmarks.md for the CPU install)"
+    q.put((modes, ds_problem))
+
+
+def import_easy_context_modes():
+    """(easy_context.modes, easy_context.process_groups), loaded without running the package's
+    __init__, which imports transformers (~8 s per process here; none of it is used by the
+    attention paths measured). Falls back to the normal import if that does not work."""
+    if "easy_context" not in sys.modules:
+        spec = importlib.util.find_spec("easy_context")  # locates the package, runs nothing
+        if spec is not None and spec.submodule_search_locations:
+            stub = types.ModuleType("easy_context")
+            stub.__path__ = list(spec.submodule_search_locations)
+            stub.__spec__ = spec
+            sys.modules["easy_context"] = stub
+            try:
+                modes = importlib.import_module("easy_context.modes")
+                return modes, importlib.import_module("easy_context.process_groups")
+            except Exception:
+                for name in [n for n in sys.modules if n == "easy_context" or n.startswith("easy_context.")]:
+                    del sys.modules[name]
+    return importlib.import_module("easy_context.modes"), importlib.import_module("easy_context.process_groups")
+
+
+# ------------------------------------------------------------------------ analytic comm
+def analytic_comm_bytes(config, S, P, B, Hq, Hkv, D, dtype):
+    """Bytes one rank sends per fwd+bwd, from the algorithm (None when not derived).
+
+    ring (zigzag_ring_attn, and the ring part of usp_attn):
+        forward   K and V shards rotate P-1 times                 2 (P-1) kv
+        backward  K and V rotate P-1 times again                  2 (P-1) kv
+                  dK/dV accumulators (fp32) move P times          2 P kv_acc
+    Ulysses (ulysses_attn, usp_attn's Ulysses part, deepspeed_ulysses):
+        forward   all-to-all of q, k, v and the output            4 x (P-1)/P of each
+        backward  all-to-all of dout, dq, dk, dv                  4 x (P-1)/P of each
+        K/V heads are replicated first when Hkv does not split over P.
+    deepspeed_ulysses also all-gathers position_ids (int64) once per forward.
+    """
+    if config == BASELINE or P == 1:
+        return 0
+    e = DTYPE_BYTES[dtype]
+    acc = max(e, 4)  # accumulation dtype: promote(dtype, fp32)
+    S_l = S // P
+    q_elems = B * Hq * S_l * D
+
+    def ulysses(U):
+        rep = math.lcm(Hkv, U) // Hkv
+        kv_elems = B * Hkv * rep * S_l * D
+        frac = (U - 1) / U
+        return 2 * frac * (q_elems + 2 * kv_elems + q_elems) * e, rep
+
+    def ring(R, kv_elems):
+        if R == 1:
+            return 0
+        return 2 * (R - 1) * kv_elems * e * 2 + 2 * R * kv_elems * acc
+
+    if config == "zigzag_ring_attn":
+        return ring(P, B * Hkv * S_l * D)
+    if config in ("ulysses_attn", "usp_attn"):  # usp_attn is run with its default ring_degree=1
+        return ulysses(P)[0]
+    if config == DEEPSPEED:
+        rep = max(1, P // Hkv)  # DeepSpeed replicates K/V heads by P // Hkv when P > Hkv
+        kv_elems = B * Hkv * rep * S_l * D
+        frac = (P - 1) / P
+        return 2 * frac * (2 * q_elems + 2 * kv_elems) * e + (P - 1) * B * S_l * 8
+    return None
+
+
+def dist_flash_comm_bytes(rounds, S, P, B, Hq, Hkv, D, dtype):
+    """Bytes per rank (the busiest) per fwd+bwd for dist_flash_attn, walking its schedule.
+
+    Every round t >= 1, for each unit whose worker is not the owner of its queries or K/V:
+        forward   q-owner -> worker: its query rows;  kv-owner -> worker: K and V
+                  worker -> q-owner: partial out rows + their lse (fp32)
+        backward  q-owner -> worker: q, dout, out rows + lse;  kv-owner -> worker: K and V
+                  worker -> q-owner: dq rows (fp32);  worker -> kv-owner: dK and dV (fp32)
+    """
+    e, acc = DTYPE_BYTES[dtype], max(DTYPE_BYTES[dtype], 4)
+    S_l = S // P
+    sent = [0] * P
+    for units in rounds[1:]:
+        for u in units:
+            rows = len(range(S_l)[u.rows(S_l)])
+            q_rows, lse_rows, kv = B * Hq * rows * D, B * Hq * rows, B * Hkv * S_l * D
+            if u.q_owner != u.worker:
+                sent[u.q_owner] += q_rows * e + (3 * q_rows * e + lse_rows * 4)
+                sent[u.worker] += q_rows * e + lse_rows * 4 + q_rows * acc
+            if u.kv_owner != u.worker:
+                sent[u.kv_owner] += 2 * kv * e * 2
+                sent[u.worker] += 2 * kv * acc
+    return max(sent)
+
+
+# ----------------------------------------------------------------------------- workers
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds all processes on the machine have used since boot (/proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class _CommCounter:
+    """Counts the bytes this rank sends through torch.distributed while enabled."""
+
+    instance = None
+
+    @classmethod
+    def install(cls, dist):
+        cls.instance = cls(dist)
+
+    def __init__(self, dist):
+        self.dist, self.bytes, self.enabled = dist, 0, False
+        self._isend = dist.isend
+        orig_batch, orig_a2a, orig_ag = dist.batch_isend_irecv, dist.all_to_all_single, dist.all_gather
+        counter = self
+
+        def batch_isend_irecv(ops):
+            if counter.enabled:
+                for op in ops:
+                    if getattr(op.op, "__name__", "") == "isend":
+                        counter.bytes += op.tensor.numel() * op.tensor.element_size()
+            return orig_batch(ops)
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            if counter.enabled:
+                size = dist.get_world_size(group)
+                me = dist.get_rank(group)
+                total = input.numel() * input.element_size()
+                if input_split_sizes:
+                    row = total // max(1, input.shape[0])
+                    kept = input_split_sizes[me] * row
+                else:
+                    kept = total // size
+                counter.bytes += total - kept
+            return orig_a2a(output, input, output_split_sizes=output_split_sizes,
+                            input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+
+        def all_gather(tensor_list, tensor, group=None, async_op=False):
+            if counter.enabled:
+                counter.bytes += (dist.get_world_size(group) - 1) * tensor.numel() * tensor.element_size()
+            return orig_ag(tensor_list, tensor, group=group, async_op=async_op)
+
+        dist.batch_isend_irecv = batch_isend_irecv
+        dist.all_to_all_single = all_to_all_single
+        dist.all_gather = all_gather
+
+
+def _make_inputs(torch, shape_q, shape_kv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape_q, generator=g).to(dtype)
+    k = torch.randn(shape_kv, generator=g).to(dtype)
+    v = torch.randn(shape_kv, generator=g).to(dtype)
+    dout = torch.randn(shape_q, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _worker(rank, world, specs, init_file, results):
+    """One rank running `specs` in order (one spec: a fresh process per configuration).
+    Puts ("ok", rank, index, dict) or ("error", rank, index, text) per spec; stops at the
+    first error (its peers may be stuck in a collective by then)."""
+    os.environ["OMP_NUM_THREADS"] = str(specs[0]["threads"])
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    sys.path.insert(0, REPO_ROOT)
+    for index, spec in enumerate(specs):
+        try:
+            import torch
+
+            torch.set_num_threads(spec["threads"])
+            result = _run_rank(torch, rank, world, spec, init_file)
+            result["cpu_s"] = _cpu_seconds()  # this process so far (for the busy-machine check)
+            results.put(("ok", rank, index, result))
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a table row
+            tb = traceback.format_exc(limit=6)
+            sys.stderr.write(f"[{spec['config']} rank {rank}] {tb}\n")
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            results.put(("error", rank, index, f"{type(exc).__name__}: {first_line}"))
+            return
+
+
+def _run_rank(torch, rank, world, spec, init_file):
+    import torch.nn.functional as F
+
+    config, S, B, Hq, Hkv, D = spec["config"], spec["S"], spec["B"], spec["Hq"], spec["Hkv"], spec["D"]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
+    scale = 1.0 / math.sqrt(D)
+    dist, analytic = None, None
+    if config != BASELINE:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+            _CommCounter.install(dist)
+    counter = _CommCounter.instance
+
+    # ---- the attention callable and this rank's inputs
+    if config == BASELINE:
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
+
+        def shard(x):
+            return x
+    elif config == DEEPSPEED:
+        attend, shard = _deepspeed_attention(torch, F, dist, rank, world, spec, scale)
+    else:
+        modes, process_groups = import_easy_context_modes()
+        mode = modes.get_mode(config)
+        topology = mode.topology(world)
+        groups = process_groups.get_groups(topology)
+        layout = mode.layout(topology)
+        layout.check_length(S)
+
+        def attend(q, k, v):
+            return mode.attention(q, k, v, scale, groups)
+
+        def shard(x):
+            return layout.shard(x, groups.sp_rank, dim=2)
+
+        if config == "dist_flash_attn":  # its analytic traffic depends on its schedule
+            try:
+                schedule = importlib.import_module("easy_context.dist_flash_attn.schedule")
+                analytic = dist_flash_comm_bytes(schedule.balanced_schedule(world), S, world, B, Hq, Hkv, D, spec["dtype"])
+            except Exception:  # the schedule API changed: leave the column empty
+                analytic = None
+
+    # Inputs: global tensors from one seed (identical on every rank), sharded as the mode
+    # shards them, then the globals are dropped (kept for --check). The high-water mark is
+    # reset before the steps, so this transient does not count.
+    gq, gk, gv, gdout = _make_inputs(torch, (B, Hq, S, D), (B, Hkv, S, D), dtype, spec["seed"])
+    q, k, v, dout = (shard(x).contiguous() for x in (gq, gk, gv, gdout))
+    if not spec["check"]:
+        del gq, gk, gv, gdout
+    if config == DEEPSPEED:
+        dout = dout.transpose(1, 2).reshape(B, S // world, Hq * D).contiguous()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        out = attend(q, k, v)
+        out.backward(dout)
+        return out
+
+    # ---- measure
+    if dist is not None:
+        dist.barrier()
+    import resource
+
+    def peak_bytes():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    peak_reset = _reset_peak_rss()
+    rss_before = _rss_bytes()  # just before the first (warm-up) step
+    times = []
+    if counter:
+        counter.bytes, counter.enabled = 0, True
+    n_steps = 1 + spec["iters"]
+    for i in range(n_steps):
+        if i == 1:  # also the measured steps alone, without one-off warm-up allocations
+            peak_warmup = peak_bytes()
+            _reset_peak_rss()
+            rss_measured = _rss_bytes()
+        if dist is not None:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if counter:
+        counter.enabled = False
+    peak_steps = peak_bytes()
+    result = {
+        "times": times[1:],
+        "peak_mib": (max(peak_warmup, peak_steps) - rss_before) / MiB,
+        "peak_mib_measured": (peak_steps - rss_measured) / MiB,
+        "peak_reset": peak_reset,
+        "comm_counted": counter.bytes / n_steps if counter else 0,
+        "comm_analytic": analytic,
+    }
+    if dist is not None:  # slowest rank per step
+        t = torch.tensor(times[1:], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        result["times"] = t.tolist()
+
+    # ---- optional correctness check against SDPA on the whole sequence (after measuring)
+    if spec["check"]:
+        out = step()
+        ref_q, ref_k, ref_v = (x.detach().clone().requires_grad_() for x in (gq, gk, gv))
+        ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
+        ref.backward(gdout)
+        if config == DEEPSPEED:
+            out = out.reshape(B, S // world, Hq, D).transpose(1, 2)
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        errors = {
+            "out": (out.detach() - shard(ref.detach())).abs().max().item(),
+            "dq": (q.grad - shard(ref_q.grad)).abs().max().item(),
+            "dk": (k.grad - shard(ref_k.grad)).abs().max().item(),
+            "dv": (v.grad - shard(ref_v.grad)).abs().max().item(),
+        }
+        worst = max(errors.values())
+        result["check"] = f"max err {worst:.1e}"
+        if not worst < tol:
+            raise AssertionError(f"{config} differs from SDPA on rank {rank}: {errors}")
+
+    if dist is not None:
+        dist.barrier()
+    return result
+
+
+def _deepspeed_attention(torch, F, dist, rank, world, spec, scale):
+    """DeepSpeed's UlyssesSPAttentionHF called directly on (q, k, v) shards, the way HF calls
+    a registered attention: forward(module, q, k, v, attention_mask, position_ids=...).
+    Its own sharding is contiguous; its output is (B, S_local, Hq*D)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import deepspeed.comm
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    # deepspeed.comm wraps the torch process group that already exists (gloo).
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    S, B, Hq, Hkv, D = spec["S"], spec["B"], spec["Hq"], spec["Hkv"], spec["D"]
+    group = dist.new_group(list(range(world)))
+
+    def inner(module, q, k, v, attention_mask, *args, **kwargs):
+        # the role of transformers' sdpa_attention_forward: returns (B, S, H, D), weights
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2), None
+
+    ulysses = UlyssesSPAttentionHF(
+        attn=inner, batch_size=B, attn_head_count=Hq, attn_head_size=D, kv_head_count=Hkv,
+        num_hidden_layers=1, process_group=group, seq_length_is_variable=True,
+    )
+
+    class Layer(torch.nn.Module):  # stands in for the HF attention module
+        is_causal = True
+        num_key_value_groups = Hq // Hkv
+
+    layer = Layer().train()
+    S_l = S // world
+    position_ids = torch.arange(rank * S_l, (rank + 1) * S_l).unsqueeze(0).expand(B, -1).contiguous()
+
+    def attend(q, k, v):
+        out, _ = ulysses(layer, q, k, v, None, position_ids=position_ids)
+        return out
+
+    def shard(x):  # contiguous shards, as UlyssesSPDataLoaderAdapter produces
+        return x.chunk(world, dim=2)[rank]
+
+    return attend, shard
+
+
+# ------------------------------------------------------------------------------ driver
+def run_group(specs, world, timeout):
+    """Runs `specs` in order in `world` fresh processes; returns one result dict per spec
+    ({"error": why} for a configuration that failed or never ran)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    got = {i: {} for i in range(len(specs))}
+    errors = {}
+    busy_before, wall_before = _busy_cpu_seconds(), time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_attn_") as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world, specs, init_file, results), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        expected, received = world * len(specs), 0
+        deadline = time.time() + timeout * len(specs)
+        while received < expected and time.time() < deadline:
+            try:
+                status, rank, index, payload = results.get(timeout=1.0)
+            except queue_module.Empty:
+                if results.empty() and any(p.exitcode not in (None, 0) for p in procs):
+                    errors.setdefault(-1, f"a rank died (exit codes {[p.exitcode for p in procs]})")
+                    break
+                if results.empty() and all(p.exitcode is not None for p in procs):
+                    break  # everyone stopped (after an error)
+                continue
+            received += 1
+            if status == "error":
+                errors.setdefault(index, payload)
+                # the peers may now hang in a collective: give them a moment, then stop them
+                deadline = min(deadline, time.time() + 10)
+            else:
+                got[index][rank] = payload
+        # CPU used by processes other than ours meanwhile (up to the last result: what the
+        # ranks do afterwards, shutting down, is ours but no longer counted as ours)
+        busy_after, wall_after = _busy_cpu_seconds(), time.time()
+        for p in procs:
+            p.join(5 if not errors else 1)
+        for p in procs:  # only the processes started here
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    ours = sum(max((got[i][r].get("cpu_s", 0) for i in got if r in got[i]), default=0) for r in range(world))
+    others = max(0.0, busy_after - busy_before - ours)
+    window = wall_after - wall_before
+    out = []
+    for index in range(len(specs)):
+        ranks = got[index]
+        if index in errors:
+            out.append({"error": errors[index]})
+        elif len(ranks) < world:
+            why = errors.get(-1) or (f"not run: {specs[min(errors)]['config']} failed before it" if errors
+                                     else f"timed out after {timeout} s")
+            out.append({"error": why})
+        else:
+            times = ranks[0]["times"]  # already the max over ranks, on every rank
+            out.append({
+                "time": statistics.median(times),
+                "times": times,
+                "peak_mib": [ranks[r]["peak_mib"] for r in range(world)],
+                "peak_mib_measured": [ranks[r]["peak_mib_measured"] for r in range(world)],
+                "peak_reset": all(ranks[r]["peak_reset"] for r in range(world)),
+                "comm_counted": max(ranks[r]["comm_counted"] for r in range(world)),
+                "comm_analytic": ranks[0].get("comm_analytic"),
+                "check": ranks[0].get("check", ""),
+                "others_cpu_s": others,
+                "window_s": window,
+            })
+    return out
+
+
+def _int_list(text):
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", default="8192", help="sequence length(s), comma separated (default 8192)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32")
+    p.add_argument("--world-sizes", default="2", help="numbers of ranks P, comma separated (default 2)")
+    p.add_argument("--modes", default="all",
+                   help=f"comma list of {BASELINE}, easy_context mode names, {DEEPSPEED}; 'all' (default) = every one")
+    p.add_argument("--iters", type=int, default=3, help="measured steps after one warm-up (default 3)")
+    p.add_argument("--check", action="store_true", help="also compare outputs and gradients with SDPA (builds the global tensors on every rank)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per configuration before it is stopped")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                   help="before each configuration wait up to this long for the machine to be idle")
+    p.add_argument("--retry-busy", type=int, default=0, metavar="N",
+                   help="measure a configuration again (up to N times) when other processes used the cores meanwhile")
+    p.add_argument("--csv", help="write the results as CSV here")
+    p.add_argument("--plot", help="write a PNG of time vs sequence length here (needs several --seq-len)")
+    p.add_argument("--shared-processes", action="store_true",
+                   help="run all configurations of one P in the same processes (faster start-up; memory numbers then less clean)")
+    p.add_argument("--from-csv", metavar="PATH[,PATH...]",
+                   help="run nothing: print the table (and write --csv/--plot) from earlier CSVs; rows of later "
+                        "files replace the same config/S/P of earlier ones (e.g. a re-run on a quiet machine)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny run for CI: S=256, 1 iteration, --check, --shared-processes")
+    args = p.parse_args(argv)
+    args.seq_lens = _int_list(args.seq_len)
+    args.world_sizes = _int_list(args.world_sizes)
+    if args.smoke:
+        args.seq_lens, args.iters, args.check, args.shared_processes = [256], 1, True, True
+    return args
+
+
+def format_table(rows):
+    header = ["config", "S", "P", "time (s)", "speed-up", "efficiency", "peak MiB/rank",
+              "comm MiB/rank (analytic)", "comm MiB/rank (counted)", "notes"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        def num(x, fmt):
+            return "" if x is None or x == "" else format(x, fmt)
+
+        lines.append("| " + " | ".join([
+            r["config"], str(r["S"]), str(r["P"]), num(r["time_s"], ".3f"), num(r["speedup"], ".2f"),
+            num(r["efficiency"], ".2f"), r["peak_mib_per_rank"], num(r["comm_mib_analytic"], ".1f"),
+            num(r["comm_mib_counted"], ".1f"), r["notes"],
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed; no plot written ({path})")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for r in rows:
+        if r["time_s"] not in (None, ""):
+            label = r["config"] if r["config"] == BASELINE else f"{r['config']} (P={r['P']})"
+            series.setdefault(label, []).append((r["S"], r["time_s"], "BUSY" in (r.get("notes") or "")))
+    any_busy = False
+    for label, points in series.items():
+        points.sort()
+        line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                        linestyle="--" if label == BASELINE else "-", label=label)
+        busy = [p for p in points if p[2]]
+        if busy:  # measured while other processes used the cores: hollow marker
+            any_busy = True
+            ax.plot([p[0] for p in busy], [p[1] for p in busy], marker="o", linestyle="none",
+                    markerfacecolor="white", markeredgecolor=line.get_color(), markersize=9)
+    if any_busy:
+        ax.text(0.99, 0.01, "hollow: measured on a busy machine", transform=ax.transAxes,
+                ha="right", va="bottom", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length S")
+    ax.set_ylabel("fwd+bwd time (s), median")
+    ax.set_title("One attention layer fwd+bwd on CPU (gloo), 2 cores")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def rows_from_csv(paths):
+    """Rows of earlier runs; a row of a later file replaces the same (config, S, P) of an
+    earlier one. Speed-up and efficiency are recomputed against the baseline row of each S."""
+    merged = {}
+    for path in paths:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                for key in ("S", "P", "threads_per_rank"):
+                    row[key] = int(row[key])
+                for key in ("time_s", "speedup", "efficiency", "peak_mib_max", "comm_mib_analytic",
+                            "comm_mib_counted", "others_cpu_s"):
+                    row[key] = float(row[key]) if row.get(key) not in (None, "") else None
+                merged[(row["config"], row["S"], row["P"])] = row
+    rows = list(merged.values())
+    base = {r["S"]: r["time_s"] for r in rows if r["config"] == BASELINE and r["time_s"]}
+    for r in rows:
+        if r["time_s"] and r["S"] in base:
+            cores = min(CPU_CORES, r["P"] * r["threads_per_rank"])
+            r["speedup"] = base[r["S"]] / r["time_s"]
+            r["efficiency"] = base[r["S"]] / (r["time_s"] * cores / CPU_CORES)
+    order = {c: i for i, c in enumerate([BASELINE])}
+    rows.sort(key=lambda r: (r["S"], r["P"] if r["config"] != BASELINE else 0, order.get(r["config"], 1)))
+    return rows
+
+
+def write_outputs(rows, args, seq_lens):
+    print()
+    print(format_table(rows))
+    if args.csv:
+        fields = list(dict.fromkeys(k for r in rows for k in r))
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"csv written to {args.csv}")
+    if args.plot:
+        if len(set(seq_lens)) > 1:
+            plot(rows, args.plot)
+        else:
+            print("one sequence length only: no plot (give several --seq-len values)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.from_csv:
+        rows = rows_from_csv(args.from_csv.split(","))
+        write_outputs(rows, args, [r["S"] for r in rows])
+        return 0
+    started = time.time()
+    wanted_names = None if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
+    mine, ds_problem = probe(wanted_names is None or DEEPSPEED in wanted_names)
+    known = [BASELINE, *mine, DEEPSPEED]
+    wanted = known if wanted_names is None else wanted_names
+    wanted = [m for m in wanted if m != DEEPSPEED] + [m for m in wanted if m == DEEPSPEED]  # DeepSpeed last
+    unknown = [m for m in wanted if m not in known]
+    if unknown:
+        raise SystemExit(f"unknown --modes {unknown}; choose from {known}")
+
+    shape = dict(B=args.batch, Hq=args.heads, Hkv=args.kv_heads, D=args.head_dim, dtype=args.dtype)
+    print(f"# one attention layer fwd+bwd: B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
+          f"{args.dtype}, causal; {args.iters} measured iters after 1 warm-up; modes: {wanted}"
+          + ("; configurations share processes" if args.shared_processes else ""), flush=True)
+    rows = []
+    for S in args.seq_lens:
+        base_time = None
+        groups = [(1, [BASELINE])] if BASELINE in wanted else []
+        for P in args.world_sizes:
+            parallel = [m for m in wanted if m != BASELINE and not (m == DEEPSPEED and ds_problem)]
+            groups += [(P, parallel)] if args.shared_processes else [(P, [m]) for m in parallel]
+            if DEEPSPEED in wanted and ds_problem:
+                groups.append((P, [DEEPSPEED]))
+        for P, configs in groups:
+            specs = [dict(config=c, S=S, iters=args.iters, check=args.check, seed=args.seed,
+                          threads=CPU_CORES if c == BASELINE else max(1, CPU_CORES // P), **shape)
+                     for c in configs]
+            if not configs:
+                continue
+            for attempt in range(1 + args.retry_busy):
+                if args.wait_idle:
+                    _wait_for_idle(args.wait_idle)
+                t0, load = time.time(), _load_average()
+                if configs == [DEEPSPEED] and ds_problem:
+                    results = [{"error": ds_problem}]
+                    break
+                results = run_group(specs, P, args.timeout)
+                busy = [r for r in results if _busy(r)]
+                if not busy or attempt == args.retry_busy:
+                    break
+                print(f"  other processes used {busy[0]['others_cpu_s']:.0f} CPU-s during {configs}: "
+                      "measuring again", flush=True)
+            for spec, res in zip(specs, results):
+                print(f"  {spec['config']:>18} S={S} P={P}: "
+                      + (f"{res['time']:.3f} s" if "error" not in res else f"FAILED ({res['error']})")
+                      + (f"  [{time.time() - t0:.0f} s wall]" if len(specs) == 1 else ""), flush=True)
+                if spec["config"] == BASELINE and "error" not in res:
+                    base_time = res["time"]
+                rows.append(make_row(spec, P, res, base_time, args))
+                rows[-1]["load_avg_before"] = round(load, 2)
+            if len(specs) > 1:
+                print(f"  [{time.time() - t0:.0f} s wall for these {len(specs)}]", flush=True)
+
+    write_outputs(rows, args, args.seq_lens)
+    print(f"(total {time.time() - started:.0f} s)")
+    # A failing easy_context mode fails the run (CI); a missing/failing DeepSpeed does not.
+    failed = [r for r in rows if r["time_s"] is None and r["config"] != DEEPSPEED]
+    return 1 if failed else 0
+
+
+def _busy(res) -> bool:
+    """Did other processes use more than 10% of the cores while this configuration ran?"""
+    return "others_cpu_s" in res and res["others_cpu_s"] > 0.1 * CPU_CORES * res["window_s"]
+
+
+def _wait_for_idle(max_wait: float) -> None:
+    """Wait (at most max_wait s) until the machine is idle: < 5% of the cores busy over 3 s."""
+    deadline = time.time() + max_wait
+    while time.time() < deadline:
+        before = _busy_cpu_seconds()
+        time.sleep(3)
+        if _busy_cpu_seconds() - before < 0.05 * CPU_CORES * 3:
+            return
+    print(f"  machine still busy after waiting {max_wait:.0f} s; measuring anyway", flush=True)
+
+
+def _load_average() -> float:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return 0.0
+
+
+def make_row(spec, P, res, base_time, args):
+    config, S, threads = spec["config"], spec["S"], spec["threads"]
+    analytic = analytic_comm_bytes(config, S, P, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
+    row = dict(config=config, S=S, P=P, threads_per_rank=threads, time_s=None, speedup=None, efficiency=None,
+               peak_mib_per_rank="", peak_mib_max=None, peak_mib_measured_steps_per_rank="",
+               comm_mib_analytic=None if analytic is None else analytic / MiB, comm_mib_counted=None,
+               others_cpu_s=None, times="", notes="")
+    if "error" in res:
+        row["notes"] = res["error"].replace("|", "/")
+        return row
+    row["time_s"] = res["time"]
+    row["times"] = " ".join(f"{t:.4f}" for t in res["times"])
+    row["peak_mib_per_rank"] = " / ".join(f"{max(m, 0):.0f}" for m in res["peak_mib"])
+    row["peak_mib_max"] = max(res["peak_mib"])
+    row["peak_mib_measured_steps_per_rank"] = " / ".join(f"{max(m, 0):.0f}" for m in res["peak_mib_measured"])
+    row["comm_mib_counted"] = res["comm_counted"] / MiB
+    if row["comm_mib_analytic"] is None and res.get("comm_analytic") is not None:
+        row["comm_mib_analytic"] = res["comm_analytic"] / MiB
+    notes = [res["check"]] if res["check"] else []
+    if not res["peak_reset"]:
+        notes.append("high-water mark not reset")
+    row["others_cpu_s"] = round(res["others_cpu_s"], 1)
+    if _busy(res):
+        notes.append(f"BUSY MACHINE: other processes used {res['others_cpu_s']:.0f} CPU-s of "
+                     f"{CPU_CORES * res['window_s']:.0f}; time inflated")
+    row["notes"] = "; ".join(notes)
+    if base_time:
+        row["speedup"] = base_time / res["time"]
+        # speed-up per core, relative to the baseline's cores (the same 2 cores here)
+        cores = min(CPU_CORES, P * threads)
+        row["efficiency"] = base_time / (res["time"] * cores / CPU_CORES)
+    return row
+
+
+if __name__ == "__main__":
+    sys.exit(main())
