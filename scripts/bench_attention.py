@@ -5,30 +5,37 @@ Side by side, in one run, for every sequence length and world size asked for:
 
   baseline            one process, 2 threads, the whole sequence through
                       torch.nn.functional.scaled_dot_product_attention (is_causal, enable_gqa)
-  <easy_context mode> P spawned processes over gloo, one per rank, each holding its shard of
-                      q/k/v in the mode's own layout, calling the mode's attention exactly as
-                      easy_context.hf does (every mode in easy_context.BUILT_MODES except
-                      data_parallel; new modes are picked up automatically)
-  deepspeed_ulysses   DeepSpeed's own HF Ulysses (UlyssesSPAttentionHF) at the same P, on a
-                      gloo group, with torch SDPA as the inner attention (skipped, with the
-                      reason in the table, when deepspeed is missing or fails)
+  <easy_context mode> P spawned processes over gloo (file:// rendezvous), one per rank,
+                      max(1, 2 // P) threads each, each holding its shard of q/k/v in the
+                      mode's own layout and calling the mode's attention exactly as
+                      easy_context.hf does: get_mode(name).attention(q, k, v, scale, groups).
+                      Every mode in easy_context.BUILT_MODES except data_parallel; modes added
+                      later are picked up automatically.
+  deepspeed_ulysses   DeepSpeed's own HF Ulysses (UlyssesSPAttentionHF) at the same P on a
+                      gloo group, torch SDPA as its inner attention (when deepspeed is missing
+                      or fails, its row says why instead)
 
-Every configuration runs in fresh processes, so memory numbers do not leak between them.
-Measured per configuration:
+Every configuration runs in fresh processes (unless --shared-processes), so memory numbers
+do not leak between configurations. Measured per configuration:
 
-  time        median over --iters steps (after one warm-up step) of the fwd+bwd wall time;
+  time        median over --iters steps, after one warm-up step, of the fwd+bwd wall time;
               per step the slowest rank counts (ranks start each step on a barrier)
-  peak MiB    per rank: ru_maxrss (getrusage, RUSAGE_SELF) after the last step minus the
-              RSS read from /proc/self/statm just before the warm-up step, i.e. how much the
-              resident set grew at its peak while the steps ran (inputs already allocated).
-              The kernel's high-water mark is reset (/proc/self/clear_refs = 5) right before,
-              when allowed, so earlier transient allocations do not count.
-  comm MiB    per rank per fwd+bwd, analytic (formulas below), and as counted by wrapping
-              torch.distributed's send/all-to-all/all-gather calls during the steps
+  peak MiB    per rank: ru_maxrss (getrusage RUSAGE_SELF) after the last step minus the RSS
+              read from /proc/self/statm just before the first (warm-up) step: how much the
+              resident set grew at its peak while the steps ran, inputs already allocated.
+              The kernel's high-water mark is reset (/proc/self/clear_refs <- 5) right before,
+              so earlier transient allocations do not count. The CSV also has the same number
+              for the measured steps alone (peak_mib_measured_steps_per_rank). glibc keeps
+              some freed memory, so RSS overstates live tensors; --exact-memory removes that.
+  comm MiB    per rank per fwd+bwd: analytic (see analytic_comm_bytes), and as counted by
+              wrapping torch.distributed's batch_isend_irecv / all_to_all_single / all_gather
+  busy check  CPU time used by processes other than the ranks while a configuration ran
+              (/proc/stat minus the ranks' own rusage); over 10% of the cores flags the row
+              (and --retry-busy measures it again)
 
 Usage:
-  python scripts/bench_attention.py --seq-len 4096,8192 --world-sizes 2 --csv out.csv --plot out.png
-  python scripts/bench_attention.py --smoke         # tiny, ~30 s, also checks results vs SDPA
+  python scripts/bench_attention.py --seq-len 4096,8192,16384 --csv out.csv --plot out.png
+  python scripts/bench_attention.py --smoke     # S=256, 1 step, checks vs SDPA; 15-30 s
 """
 
 from __future__ import annotations
@@ -273,6 +280,14 @@ def _make_inputs(torch, shape_q, shape_kv, dtype, seed):
     return q, k, v, dout
 
 
+class _SetupError(Exception):
+    """A configuration that cannot run (raised identically on every rank, before any step)."""
+
+
+def _first_line(exc) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
 def _worker(rank, world, specs, init_file, results):
     """One rank running `specs` in order (one spec: a fresh process per configuration).
     Puts ("ok", rank, index, dict) or ("error", rank, index, text) per spec; stops at the
@@ -288,11 +303,12 @@ def _worker(rank, world, specs, init_file, results):
             result = _run_rank(torch, rank, world, spec, init_file)
             result["cpu_s"] = _cpu_seconds()  # this process so far (for the busy-machine check)
             results.put(("ok", rank, index, result))
+        except _SetupError as exc:  # every rank stops here alike: go on with the next one
+            results.put(("skipped", rank, index, str(exc)))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a table row
             tb = traceback.format_exc(limit=6)
             sys.stderr.write(f"[{spec['config']} rank {rank}] {tb}\n")
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            results.put(("error", rank, index, f"{type(exc).__name__}: {first_line}"))
+            results.put(("error", rank, index, f"{type(exc).__name__}: {_first_line(exc)}"))
             return
 
 
@@ -312,52 +328,59 @@ def _run_rank(torch, rank, world, spec, init_file):
     counter = _CommCounter.instance
 
     # ---- the attention callable and this rank's inputs
-    if config == BASELINE:
-        def attend(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
+    # Set-up fails the same way on every rank (shapes, layout, imports), before any step:
+    # reported as this configuration's error, and the next configuration can still run.
+    try:
+        if config == BASELINE:
+            def attend(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
 
-        def shard(x):
-            return x
-    elif config == DEEPSPEED:
-        attend, shard = _deepspeed_attention(torch, F, dist, rank, world, spec, scale)
-    else:
-        modes, process_groups = import_easy_context_modes()
-        mode = modes.get_mode(config)
-        topology = mode.topology(world)
-        groups = process_groups.get_groups(topology)
-        layout = mode.layout(topology)
-        layout.check_length(S)
+            def shard(x):
+                return x
+        elif config == DEEPSPEED:
+            attend, shard = _deepspeed_attention(torch, F, dist, rank, world, spec, scale)
+        else:
+            modes, process_groups = import_easy_context_modes()
+            mode = modes.get_mode(config)
+            topology = mode.topology(world)
+            groups = process_groups.get_groups(topology)
+            layout = mode.layout(topology)
+            layout.check_length(S)
 
-        def attend(q, k, v):
-            return mode.attention(q, k, v, scale, groups)
+            def attend(q, k, v):
+                return mode.attention(q, k, v, scale, groups)
 
-        def shard(x):
-            return layout.shard(x, groups.sp_rank, dim=2)
+            def shard(x):
+                return layout.shard(x, groups.sp_rank, dim=2)
 
-        if config == "dist_flash_attn":  # its analytic traffic depends on its schedule
-            try:
-                schedule = importlib.import_module("easy_context.dist_flash_attn.schedule")
-                analytic = dist_flash_comm_bytes(schedule.balanced_schedule(world), S, world, B, Hq, Hkv, D, spec["dtype"])
-            except Exception:  # the schedule API changed: leave the column empty
-                analytic = None
+            if config == "dist_flash_attn":  # its analytic traffic depends on its schedule
+                try:
+                    schedule = importlib.import_module("easy_context.dist_flash_attn.schedule")
+                    analytic = dist_flash_comm_bytes(schedule.balanced_schedule(world), S, world, B, Hq, Hkv, D, spec["dtype"])
+                except Exception:  # the schedule API changed: leave the column empty
+                    analytic = None
 
-    # Inputs: global tensors from one seed (identical on every rank), sharded as the mode
-    # shards them, then the globals are dropped (kept for --check). The high-water mark is
-    # reset before the steps, so this transient does not count.
-    gq, gk, gv, gdout = _make_inputs(torch, (B, Hq, S, D), (B, Hkv, S, D), dtype, spec["seed"])
-    q, k, v, dout = (shard(x).contiguous() for x in (gq, gk, gv, gdout))
-    if not spec["check"]:
-        del gq, gk, gv, gdout
-    if config == DEEPSPEED:
-        dout = dout.transpose(1, 2).reshape(B, S // world, Hq * D).contiguous()
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
+        # Inputs: global tensors from one seed (identical on every rank), sharded as the mode
+        # shards them, then the globals are dropped (kept for --check). The high-water mark is
+        # reset before the steps, so this transient does not count.
+        gq, gk, gv, gdout = _make_inputs(torch, (B, Hq, S, D), (B, Hkv, S, D), dtype, spec["seed"])
+        q, k, v, dout = (shard(x).contiguous() for x in (gq, gk, gv, gdout))
+        if not spec["check"]:
+            del gq, gk, gv, gdout
+        if config == DEEPSPEED:
+            dout = dout.transpose(1, 2).reshape(B, S // world, Hq * D).contiguous()
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+    except Exception as exc:
+        raise _SetupError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
 
     def step():
-        for x in (q, k, v):
-            x.grad = None
         out = attend(q, k, v)
         out.backward(dout)
         return out
+
+    def clear():  # outside the timed region: no step starts with the previous step's grads
+        for x in (q, k, v):
+            x.grad = None
 
     # ---- measure
     if dist is not None:
@@ -383,6 +406,7 @@ def _run_rank(torch, rank, world, spec, init_file):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+        clear()
     if counter:
         counter.enabled = False
     peak_steps = peak_bytes()
@@ -401,6 +425,7 @@ def _run_rank(torch, rank, world, spec, init_file):
 
     # ---- optional correctness check against SDPA on the whole sequence (after measuring)
     if spec["check"]:
+        clear()
         out = step()
         ref_q, ref_k, ref_v = (x.detach().clone().requires_grad_() for x in (gq, gk, gv))
         ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
@@ -495,7 +520,9 @@ def run_group(specs, world, timeout):
                     break  # everyone stopped (after an error)
                 continue
             received += 1
-            if status == "error":
+            if status == "skipped":  # could not be set up; the ranks went on to the next one
+                errors.setdefault(index, payload)
+            elif status == "error":
                 errors.setdefault(index, payload)
                 # the peers may now hang in a collective: give them a moment, then stop them
                 deadline = min(deadline, time.time() + 10)
@@ -504,8 +531,9 @@ def run_group(specs, world, timeout):
         # CPU used by processes other than ours meanwhile (up to the last result: what the
         # ranks do afterwards, shutting down, is ours but no longer counted as ours)
         busy_after, wall_after = _busy_cpu_seconds(), time.time()
+        fatal = any(i not in errors or len(got[i]) < world for i in errors)
         for p in procs:
-            p.join(5 if not errors else 1)
+            p.join(5 if not fatal else 1)
         for p in procs:  # only the processes started here
             if p.is_alive():
                 p.kill()
@@ -555,7 +583,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="all",
                    help=f"comma list of {BASELINE}, easy_context mode names, {DEEPSPEED}; 'all' (default) = every one")
     p.add_argument("--iters", type=int, default=3, help="measured steps after one warm-up (default 3)")
-    p.add_argument("--check", action="store_true", help="also compare outputs and gradients with SDPA (builds the global tensors on every rank)")
+    p.add_argument("--check", action="store_true", help="after timing, compare outputs and gradients with SDPA on the whole sequence (fails the run on a mismatch)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per configuration before it is stopped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
@@ -566,6 +594,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", help="write a PNG of time vs sequence length here (needs several --seq-len)")
     p.add_argument("--shared-processes", action="store_true",
                    help="run all configurations of one P in the same processes (faster start-up; memory numbers then less clean)")
+    p.add_argument("--exact-memory", action="store_true",
+                   help="run the ranks with MALLOC_MMAP_THRESHOLD_=65536: freed tensors go back to the OS at once, "
+                        "so RSS follows the live tensors (peak MiB without allocator caching); times may change a little")
     p.add_argument("--from-csv", metavar="PATH[,PATH...]",
                    help="run nothing: print the table (and write --csv/--plot) from earlier CSVs; rows of later "
                         "files replace the same config/S/P of earlier ones (e.g. a re-run on a quiet machine)")
@@ -684,6 +715,8 @@ def main(argv=None):
         write_outputs(rows, args, [r["S"] for r in rows])
         return 0
     started = time.time()
+    if args.exact_memory:  # read by glibc when each spawned rank starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     wanted_names = None if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
     mine, ds_problem = probe(wanted_names is None or DEEPSPEED in wanted_names)
     known = [BASELINE, *mine, DEEPSPEED]
@@ -696,7 +729,8 @@ def main(argv=None):
     shape = dict(B=args.batch, Hq=args.heads, Hkv=args.kv_heads, D=args.head_dim, dtype=args.dtype)
     print(f"# one attention layer fwd+bwd: B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
           f"{args.dtype}, causal; {args.iters} measured iters after 1 warm-up; modes: {wanted}"
-          + ("; configurations share processes" if args.shared_processes else ""), flush=True)
+          + ("; configurations share processes" if args.shared_processes else "")
+          + ("; --exact-memory" if args.exact_memory else ""), flush=True)
     rows = []
     for S in args.seq_lens:
         base_time = None
@@ -776,6 +810,7 @@ def make_row(spec, P, res, base_time, args):
                others_cpu_s=None, times="", notes="")
     if "error" in res:
         row["notes"] = res["error"].replace("|", "/")
+        row["comm_mib_analytic"] = None
         return row
     row["time_s"] = res["time"]
     row["times"] = " ".join(f"{t:.4f}" for t in res["times"])
