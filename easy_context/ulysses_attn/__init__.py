@@ -24,8 +24,9 @@ from ..zigzag_ring_attn import zigzag_ring_attention
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     size = dist.get_world_size(group)
-    # gloo needs contiguous buffers (and silently corrupts some strided ones).
-    send = torch.stack([part.contiguous() for part in x.chunk(size, dim=scatter_dim)])
+    # One copy into a contiguous (size, ...) buffer: gloo needs contiguous tensors (and
+    # silently corrupts some strided ones); stack's result always is.
+    send = torch.stack(x.chunk(size, dim=scatter_dim))
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return torch.cat(received.unbind(0), dim=gather_dim)
