@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,9 @@ import torch
 
 import easy_context as ec
 from easy_context.data import byte_tokenizer, load_token_rows, stdlib_token_stream, windows
+from easy_context.launch import fail as launch_fail, make_accelerator
 from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
+from easy_context.models import check_config, load_config, load_pretrained
 from easy_context.modes import get_mode
 from easy_context.tiled_mlp import tile_mlps
 
@@ -86,9 +87,7 @@ def parse_args(argv=None):
 
 
 def fail(message: str):
-    """A clear message instead of a traceback (every rank exits the same way)."""
-    print(f"train.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    launch_fail("train.py", message)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -110,44 +109,23 @@ class CausalLMLoss(torch.nn.Module):
 
 
 def load_model(args, dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    source = args.model or str(DEFAULT_MODEL)
-    config = AutoConfig.from_pretrained(source)
-    if args.rope_theta is not None:
-        if isinstance(getattr(config, "rope_parameters", None), dict):
-            config.rope_parameters["rope_theta"] = args.rope_theta
+    try:
+        if args.model is None:  # the embedded default: random weights, byte tokenizer
+            config = load_config(str(DEFAULT_MODEL), args.rope_theta)
+            torch.manual_seed(args.seed)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+            tokenizer = byte_tokenizer()
         else:
-            config.rope_theta = args.rope_theta
-    if config.model_type not in ec.SUPPORTED_MODEL_TYPES:
-        fail(f"model type {config.model_type!r} is not supported; supported: {list(ec.SUPPORTED_MODEL_TYPES)}")
-    config.use_cache = False
-    if args.model is None:  # the embedded default: random weights, byte tokenizer
-        torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
-        tokenizer = byte_tokenizer()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, attn_implementation="sdpa", dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+            model, tokenizer = load_pretrained(args.model, args.rope_theta, dtype)
+    except (ValueError, OSError) as error:
+        fail(f"--model {args.model or DEFAULT_MODEL}: {error}")
     if args.activation_checkpointing:
         model.activation_checkpointing_enable(offload=args.offload_checkpoints)
     if args.tiled_mlp:
         tile_mlps(model, args.tiled_mlp)
     return model, tokenizer
-
-
-def check_model(config, args, topology) -> None:
-    """What sequence parallelism cannot run yet, said before the first step (not from inside it)."""
-    if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
-        fail(f"the model has attention_dropout={config.attention_dropout}; sequence parallelism needs 0.0")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < args.seq_length:
-        fail(f"the model's sliding_window={window} is shorter than --seq-length {args.seq_length}; "
-             f"use --seq-length <= {window} or a model without a window")
-    heads = config.num_attention_heads
-    if heads % topology.ulysses_degree:
-        fail(f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "
-             f"(--parallel_mode {args.parallel_mode}); use a degree dividing {heads} (--ring_degree with usp_attn) or zigzag_ring_attn")
 
 
 # ----------------------------------------------------------------------------- the data
@@ -205,8 +183,7 @@ RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "paralle
 
 def main(argv=None):
     args = parse_args(argv)
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+    from accelerate.utils import DistributedType, set_seed
     from tqdm.auto import tqdm
 
     # ------------------------------------------------------------------- accelerator
@@ -215,13 +192,10 @@ def main(argv=None):
         import importlib.util
 
         tracker = "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else "none"
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # by torchrun or accelerate launch
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
-    accelerator = Accelerator(
+    accelerator = make_accelerator(
         gradient_accumulation_steps=args.gradient_accumulate_every,
         log_with=None if tracker == "none" else tracker,
         project_dir=args.output_dir,
-        kwargs_handlers=handlers,
         # accelerate would step the schedule once per process (it assumes a sharded loader)
         step_scheduler_with_optimizer=False,
     )
@@ -241,7 +215,10 @@ def main(argv=None):
     # (with --mixed_precision bf16, accelerate autocasts the compute).
     deepspeed_bf16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16"
     model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32)
-    check_model(model.config, args, topology)
+    try:
+        check_config(model.config, topology, args.seq_length, args.parallel_mode)
+    except ValueError as error:
+        fail(str(error))
     model_type = model.config.model_type
     ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model_type, sp_size=args.sp_size, ring_degree=args.ring_degree)
     trainable = CausalLMLoss(model, args.loss_chunk_size)

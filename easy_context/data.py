@@ -14,7 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["byte_tokenizer", "stdlib_token_stream", "windows", "load_token_rows", "BYTE_EOS_ID"]
+__all__ = [
+    "byte_tokenizer", "stdlib_token_stream", "windows", "load_token_rows", "load_any_dataset",
+    "embedded_prose", "stdlib_heldout_documents", "BYTE_EOS_ID",
+]
 
 BYTE_EOS_ID = 256
 
@@ -74,25 +77,63 @@ def windows(stream: np.ndarray, length: int, max_rows: int | None = None) -> tor
     return torch.from_numpy(stream[: rows * length].reshape(rows, length).copy())
 
 
-def load_token_rows(name_or_path: str, length: int, split: str = "train", max_rows: int | None = None) -> torch.Tensor:
-    """Rows of `length` tokens from a dataset with an `input_ids` column (hub name, a
-    `save_to_disk` folder, or a .json/.jsonl/.parquet file). Longer rows are truncated;
-    shorter rows are an error (sequence parallelism needs every row at full length)."""
+def embedded_prose() -> str:
+    """English prose every Python installation has (the default needle haystack): the
+    language reference in pydoc_data, paragraphs separated by blank lines."""
+    try:
+        from pydoc_data.topics import topics
+        texts = [topics[name] for name in sorted(topics)]
+    except ImportError:  # some distributions strip pydoc_data: fall back to module docstrings
+        import importlib
+
+        texts = []
+        for name in ("argparse", "collections", "dataclasses", "functools", "json", "logging", "pathlib", "re", "typing", "unittest"):
+            texts.append(importlib.import_module(name).__doc__ or "")
+    return "\n\n".join(text.strip() for text in texts if text.strip())
+
+
+def stdlib_heldout_documents(max_chars: int) -> list[str]:
+    """Standard library source files taken from the END of the file order (train.py reads the
+    stream from the start, so these are unseen unless a run trains on ~13M tokens)."""
+    documents, total = [], 0
+    for path in reversed(stdlib_source_files()):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        documents.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return documents
+
+
+def load_any_dataset(name_or_path: str, split: str = "train", subset: str | None = None):
+    """A datasets.Dataset from a hub name (+ subset), a `save_to_disk` folder, or a
+    .json/.jsonl/.parquet/.txt file (.txt: one row, column 'text')."""
     import datasets
 
     if os.path.isdir(name_or_path):
         dataset = datasets.load_from_disk(name_or_path)
     elif os.path.isfile(name_or_path):
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(Path(name_or_path).suffix)
+        suffix = Path(name_or_path).suffix
+        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
+        if suffix == ".txt":
+            return datasets.Dataset.from_dict({"text": [Path(name_or_path).read_text(encoding="utf-8", errors="replace")]})
         if kind is None:
-            raise ValueError(f"dataset file {name_or_path!r}: use .json, .jsonl or .parquet, or a save_to_disk folder")
+            raise ValueError(f"dataset file {name_or_path!r}: use .json, .jsonl, .parquet or .txt, or a save_to_disk folder")
         dataset = datasets.load_dataset(kind, data_files=name_or_path, split="train")
     else:
-        dataset = datasets.load_dataset(name_or_path, split=split)
+        dataset = datasets.load_dataset(name_or_path, subset, split=split)
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise ValueError(f"dataset {name_or_path!r} has splits {list(dataset)}, not {split!r}")
         dataset = dataset[split]
+    return dataset
+
+
+def load_token_rows(name_or_path: str, length: int, split: str = "train", max_rows: int | None = None) -> torch.Tensor:
+    """Rows of `length` tokens from a dataset with an `input_ids` column (see load_any_dataset).
+    Longer rows are truncated; shorter rows are an error (sequence parallelism needs every
+    row at full length)."""
+    dataset = load_any_dataset(name_or_path, split)
     if "input_ids" not in dataset.column_names:
         raise ValueError(
             f"dataset {name_or_path!r} has no 'input_ids' column (columns: {dataset.column_names}); "
