@@ -155,7 +155,7 @@ def main(argv=None):
     # DeepSpeed (the inference config): ZeRO-3 shards and offloads the weights; else a full copy per rank.
     model = accelerator.prepare(model) if accelerator.state.deepspeed_plugin is not None else model.to(accelerator.device)
     scorer = SeqParallelScorer(model, args.parallel_mode, rank, world, accelerator.device, sp_size=args.sp_size,
-                               ring_degree=args.ring_degree)
+                               ring_degree=args.ring_degree, lockstep=accelerator.state.deepspeed_plugin is not None)
     try:
         haystack = Haystack(tokenizer, haystack_text(args), min_tokens=args.max_context_length)
         make_prompt(args, tokenizer, haystack, lengths[0], 0.0, 0)  # the tightest fit, checked on every rank

@@ -175,7 +175,8 @@ def evaluate_model(args, accelerator, source: str, lengths: list[int], bar_posit
     model.eval()
     model = accelerator.prepare(model) if accelerator.state.deepspeed_plugin is not None else model.to(accelerator.device)
     scorer = SeqParallelScorer(model, args.parallel_mode, rank, world, accelerator.device, sp_size=args.sp_size,
-                               ring_degree=args.ring_degree, chunk_size=1024 if args.aggressive_memory else 4096)
+                               ring_degree=args.ring_degree, chunk_size=1024 if args.aggressive_memory else 4096,
+                               lockstep=accelerator.state.deepspeed_plugin is not None)
     samples = load_samples(args, tokenizer)
     work = [(n, i, *span) for n in lengths for i, s in enumerate(samples)
             for span in windows(len(s), n, args.sliding_window, args.truncate)]

@@ -65,11 +65,16 @@ class SeqParallelScorer:
 
     `model` is the HF model or the DeepSpeed engine wrapping it; call
     apply_seq_parallel_monkey_patch for its model type first (not needed for data_parallel).
+    lockstep: every rank runs the same module calls, as ZeRO-3 needs (each submodule's
+    forward gathers its parameters with a collective over all ranks): the output layer runs
+    the same number of chunks everywhere and every data-parallel group the same number of
+    items. Without it only the SP group's collectives bind ranks together.
     """
 
     def __init__(self, model, mode: str, rank: int, world_size: int, device, *, sp_size=None, ring_degree=None,
-                 chunk_size: int = 4096):
+                 chunk_size: int = 4096, lockstep: bool = False):
         self.model = getattr(model, "module", model)  # under DeepSpeed, hooks gather ZeRO-3 shards per submodule
+        self.lockstep = lockstep and world_size > 1
         self.mode_name, self.mode = mode, get_mode(mode)
         self.rank, self.world_size, self.device, self.chunk_size = rank, world_size, device, chunk_size
         self.options = {"sp_size": sp_size, "ring_degree": ring_degree}
@@ -101,8 +106,11 @@ class SeqParallelScorer:
         where = (local_targets != IGNORE).nonzero().squeeze(1)
         nll = torch.zeros(local_targets.shape, dtype=torch.float32, device=hidden.device)
         predictions = torch.full_like(local_targets, IGNORE)
-        for start in range(0, where.numel(), self.chunk_size):
-            rows = where[start:start + self.chunk_size]
+        chunks = torch.tensor([-(-where.numel() // self.chunk_size)], device=hidden.device)
+        if self.lockstep:
+            dist.all_reduce(chunks, op=dist.ReduceOp.MAX)
+        for start in range(0, int(chunks) * self.chunk_size, self.chunk_size):
+            rows = where[start:start + self.chunk_size]  # may be empty on some ranks (lockstep)
             logits = head(hidden[rows]).float()
             predictions[rows] = logits.argmax(-1)
             nll[rows] = F.cross_entropy(logits, local_targets[rows], reduction="none")
@@ -113,14 +121,19 @@ class SeqParallelScorer:
         return TokenScores(target_ids.cpu(), gathered[0], gathered[1])
 
     # ------------------------------------------------------- many independent items
-    def my_items(self, items: list) -> list[tuple[int, object]]:
+    def my_items(self, items: list) -> list[tuple[int | None, object]]:
         """(index, item) pairs this rank's data-parallel group evaluates (every rank of an SP
-        group gets the same ones)."""
+        group gets the same ones). In lockstep every group gets equally many: the short ones
+        repeat an item with index None, and collect() drops its result."""
         dp_rank, dp_size = self.topology.dp_rank(self.rank), self.topology.dp_size
-        return [(i, item) for i, item in enumerate(items) if i % dp_size == dp_rank]
+        mine = [(i, item) for i, item in enumerate(items) if i % dp_size == dp_rank]
+        if self.lockstep and items:
+            mine += [(None, items[0])] * (-(-len(items) // dp_size) - len(mine))
+        return mine
 
-    def collect(self, results: list[tuple[int, object]]) -> list:
+    def collect(self, results: list[tuple[int | None, object]]) -> list:
         """Every rank's (index, result) pairs, in index order, on every rank."""
+        results = [pair for pair in results if pair[0] is not None]
         if self.topology.sp_rank(self.rank) != 0:
             results = []  # the SP group's rank 0 speaks for the group
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:

@@ -141,6 +141,27 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
     assert [r["depth"] for r in rows] == ["0.0", "1.0"]
 
 
+@pytest.mark.timeout(600)
+def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, saved_model):
+    """The GPU recipe's path (accelerate + DeepSpeed ZeRO-3 inference) on CPU: every rank must
+    make the same module calls, or ZeRO-3's parameter gathers mismatch and hang."""
+    pytest.importorskip("deepspeed", reason="the optional deepspeed extra is not installed")
+    flags = ["--model", str(saved_model), "--min_context_length", "300", "--max_context_length", "600",
+             "--context_interval", "300", "--depth_interval", "0.5", "--num_samples", "1", "--hide_progress"]
+    ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "torchrun"), processes=2))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    ok(subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(ROOT / "accelerate_configs" / "cpu_deepspeed_inference.yaml"), str(ROOT / "eval_needle.py"),
+                       *flags, "--output_dir", str(tmp_path / "deepspeed")], capture_output=True, text=True, timeout=400,
+                      env=env, cwd=ROOT))
+    name = f"needle_{saved_model.name}.csv"
+    a = list(csv.DictReader(open(tmp_path / "torchrun" / name)))
+    b = list(csv.DictReader(open(tmp_path / "deepspeed" / name)))
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert x["predicted"] == y["predicted"] and abs(float(x["answer_nll"]) - float(y["answer_nll"])) <= 1e-5
+
+
 @pytest.mark.timeout(120)
 def test_eval_scripts_refuse_bad_input_clearly(tmp_path):
     cases = [
