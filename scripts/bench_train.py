@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 def _rss(field: str) -> int:
@@ -87,6 +88,15 @@ def _worker(rank, world, spec, workdir):
             loss_sum = chunked_cross_entropy_sum(hidden, model.get_output_embeddings(), local["local_target_ids"], chunk)
             global_token_mean(loss_sum, local["local_target_ids"])[0].backward()
         local_tokens = local["local_input_ids"].shape[1]
+    if spec.get("profile"):  # where the memory goes (live tensors at the peak), then stop
+        from memory_trace import LiveTensorTrace
+
+        with LiveTensorTrace(model) as trace:
+            step()
+        if rank == 0:
+            print(trace.report(tokens=seq), flush=True)
+        open(f"{workdir}/result{rank}", "w").write(f"nan {trace.peak} {local_tokens}")
+        return
     # Memory: the first step, measured from the RSS of the built model (a warm-up would
     # leave freed memory resident in the allocator and hide part of the peak).
     before = _rss("VmRSS:")
@@ -132,6 +142,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--csv", default=None)
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for CI")
+    parser.add_argument("--profile", default=None, metavar="CONFIG", help="only this config: print what is live at its peak")
     args = parser.parse_args()
     seqs = [512] if args.smoke else [int(s) for s in args.seq_lengths.split(",")]
     vocab = 1000 if args.smoke else args.vocab
@@ -141,7 +152,9 @@ def main():
         for mode in args.modes.split(","):
             configs += [(f"{mode} P=2", mode, False, 2), (f"{mode} P=2 +mem", mode, True, 2)]
         for name, mode, memory, world in configs:
-            result = run({"seq": seq, "mode": mode, "memory": memory, "vocab": vocab}, world)
+            if args.profile and name != args.profile:
+                continue
+            result = run({"seq": seq, "mode": mode, "memory": memory, "vocab": vocab, "profile": bool(args.profile)}, world)
             row = {"config": name, "seq": seq, **(result or {"tokens_per_s": float("nan"), "step_s": float("nan"),
                                                             "peak_mib": float("nan"), "bytes_per_token": float("nan")})}
             rows.append(row)
