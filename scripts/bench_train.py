@@ -98,22 +98,25 @@ def _worker(rank, world, spec, workdir):
         open(f"{workdir}/result{rank}", "w").write(f"nan {trace.peak} {local_tokens}")
         return
     # Memory: the first step, measured from the RSS of the built model (a warm-up would
-    # leave freed memory resident in the allocator and hide part of the peak).
+    # leave freed memory resident in the allocator and hide part of the peak). VmHWM is
+    # the absolute peak (model, runtime and the step), what a memory budget has to hold.
     before = _rss("VmRSS:")
     _reset_peak()
-    step()
-    peak = _rss("VmHWM:") - before
-    model.zero_grad(set_to_none=True)
-    # Time: the second step.
-    if world > 1:
-        dist.barrier()
     start = time.perf_counter()
     step()
-    if world > 1:
-        dist.barrier()
     elapsed = time.perf_counter() - start
+    absolute = _rss("VmHWM:")
+    model.zero_grad(set_to_none=True)
+    if not spec.get("one_step"):  # time: the second step
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        if world > 1:
+            dist.barrier()
+        elapsed = time.perf_counter() - start
     with open(f"{workdir}/result{rank}", "w") as f:
-        f.write(f"{elapsed} {peak} {local_tokens}")
+        f.write(f"{elapsed} {absolute - before} {local_tokens} {absolute}")
     if world > 1:
         dist.destroy_process_group()
 
@@ -125,48 +128,107 @@ def run(spec, world):
         for p in procs:
             p.start()
         for p in procs:
-            p.join(1800)
+            p.join(3600)
         if any(p.exitcode != 0 for p in procs):
             return None
         values = [list(map(float, open(f"{workdir}/result{r}").read().split())) for r in range(world)]
     elapsed = max(v[0] for v in values)
     peak = max(v[1] for v in values)
     return {"tokens_per_s": spec["seq"] / elapsed, "step_s": elapsed, "peak_mib": peak / 2**20,
-            "bytes_per_token": peak / values[0][2]}
+            "bytes_per_token": peak / values[0][2], "absolute_mib": max(v[3] for v in values) / 2**20}
+
+
+def memory_total_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return int(f.readline().split()[1]) / 2**20
+
+
+def fit_line(xs, ys):
+    """Least-squares slope and intercept."""
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
+    return slope, my - slope * mx
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-lengths", default="4096,8192")
+    parser.add_argument("--seq-lengths", default="4096,8192,16384")
     parser.add_argument("--modes", default="zigzag_ring_attn")
+    parser.add_argument("--configs", default=None, help="only these configs (comma separated names, e.g. 'hf-plain')")
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--exact-memory", action="store_true",
+                        help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks: freed tensors return to the OS at once, so the "
+                             "RSS peak follows live memory instead of what glibc keeps cached")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="memory of the machine that the ranks of one config share (default: this machine's)")
+    parser.add_argument("--verify-length", type=int, default=None,
+                        help="then run one real step of each '+mem' config at this length, next to its prediction")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for CI")
     parser.add_argument("--profile", default=None, metavar="CONFIG", help="only this config: print what is live at its peak")
     args = parser.parse_args()
-    seqs = [512] if args.smoke else [int(s) for s in args.seq_lengths.split(",")]
+    if args.exact_memory:  # read by glibc when each spawned rank starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    seqs = [512, 1024] if args.smoke else [int(s) for s in args.seq_lengths.split(",")]
     vocab = 1000 if args.smoke else args.vocab
+    budget = args.memory_budget_gib or memory_total_gib()
+    configs = [("hf-plain", None, False, 1)]
+    for mode in args.modes.split(","):
+        configs += [(f"{mode} P=2", mode, False, 2), (f"{mode} P=2 +mem", mode, True, 2)]
+    if args.configs or args.profile:
+        wanted = set((args.configs or args.profile).split(","))
+        configs = [c for c in configs if c[0] in wanted]
+
+    print("| config | S | tokens/s | step s | peak MiB/rank (step) | KiB/local token | peak MiB/rank (absolute) |\n"
+          "|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for seq in seqs:
-        configs = [("hf-plain", None, False, 1)]
-        for mode in args.modes.split(","):
-            configs += [(f"{mode} P=2", mode, False, 2), (f"{mode} P=2 +mem", mode, True, 2)]
         for name, mode, memory, world in configs:
-            if args.profile and name != args.profile:
-                continue
             result = run({"seq": seq, "mode": mode, "memory": memory, "vocab": vocab, "profile": bool(args.profile)}, world)
-            row = {"config": name, "seq": seq, **(result or {"tokens_per_s": float("nan"), "step_s": float("nan"),
-                                                            "peak_mib": float("nan"), "bytes_per_token": float("nan")})}
-            rows.append(row)
-            print(f"| {name} | {seq} | {row['tokens_per_s']:.0f} | {row['step_s']:.2f} | {row['peak_mib']:.0f} | "
-                  f"{row['bytes_per_token'] / 1024:.1f} |", flush=True)
+            rows.append({"config": name, "seq": seq, "world": world, **(result or {})})
+            if result:
+                print(f"| {name} | {seq} | {result['tokens_per_s']:.0f} | {result['step_s']:.2f} | {result['peak_mib']:.0f} | "
+                      f"{result['bytes_per_token'] / 1024:.1f} | {result['absolute_mib']:.0f} |", flush=True)
+            else:
+                print(f"| {name} | {seq} | failed | | | | |", flush=True)
+    if args.profile:
+        return
+
+    # Memory against length: per-token slope and fixed part per rank, and the longest context
+    # whose predicted per-rank peak fits the budget (the ranks of a config share the machine).
+    print(f"\nlongest context within {budget:.1f} GiB shared by the ranks of each config "
+          "(linear fit of the absolute per-rank peak over the lengths above):\n"
+          "| config | slope KiB/token/rank | fixed MiB/rank | longest S (predicted) | verified S | measured MiB/rank | predicted MiB/rank |\n"
+          "|---|---|---|---|---|---|---|", flush=True)
+    fits = []
+    for name, mode, memory, world in configs:
+        points = [(r["seq"], r["absolute_mib"]) for r in rows if r["config"] == name and "absolute_mib" in r]
+        if len(points) < 2:
+            continue
+        slope, fixed = fit_line([p[0] for p in points], [p[1] for p in points])  # MiB per token, MiB
+        longest = int((budget * 1024 / world - fixed) / slope) if slope > 0 else float("inf")
+        fit = {"config": name, "slope_kib_per_token": slope * 1024, "fixed_mib": fixed, "longest_tokens": longest}
+        if memory and args.verify_length:
+            result = run({"seq": args.verify_length, "mode": mode, "memory": True, "vocab": vocab, "one_step": True}, world)
+            fit.update(verify_tokens=args.verify_length, verify_mib=result["absolute_mib"] if result else float("nan"),
+                       verify_predicted_mib=fixed + slope * args.verify_length,
+                       verify_step_s=result["step_s"] if result else float("nan"))
+        fits.append(fit)
+        verified = (f"{fit['verify_tokens']} | {fit['verify_mib']:.0f} | {fit['verify_predicted_mib']:.0f}"
+                    if "verify_tokens" in fit else " | | ")
+        print(f"| {name} | {fit['slope_kib_per_token']:.1f} | {fixed:.0f} | {longest} | {verified} |", flush=True)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            fields = list(dict.fromkeys(k for r in rows for k in r))
+            writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(rows)
+        if fits:
+            with open(args.csv.replace(".csv", "") + "_fit.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in fits for k in r)))
+                writer.writeheader()
+                writer.writerows(fits)
 
 
 if __name__ == "__main__":
-    print("| config | S | tokens/s | step s | peak MiB/rank | peak KiB/token |\n|---|---|---|---|---|---|", flush=True)
     main()

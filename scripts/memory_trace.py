@@ -26,11 +26,23 @@ class LiveTensorTrace(TorchDispatchMode):
         self.phase = "forward"
         self._modules: list[str] = []
         self._hooks = []
+        # storages that exist before the step (weights, buffers) are not the step's memory
+        self._preexisting = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())} if model is not None else set()
         if model is not None:
             for name, module in model.named_modules():
                 if name and name.count(".") <= 3:
-                    self._hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: self._modules.append(n)))
-                    self._hooks.append(module.register_forward_hook(lambda m, a, o: self._modules.pop() if self._modules else None))
+                    self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
+                    self._hooks.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, name):
+        def hook(module, args):
+            self._modules.append(name)  # returns None: the module's inputs are unchanged
+
+        return hook
+
+    def _leave(self, module, args, output):
+        if self._modules:
+            self._modules.pop()  # returns None: the module's output is unchanged
 
     def _label(self, func) -> str:
         where = self._modules[-1] if self._modules else "-"
@@ -50,7 +62,7 @@ class LiveTensorTrace(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             key = id(storage)
-            if key in self.live or storage.nbytes() == 0:
+            if key in self.live or key in self._preexisting or storage.nbytes() == 0:
                 continue
             self.live[key] = (storage.nbytes(), self._label(func))
             self.total += storage.nbytes()
