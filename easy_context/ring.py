@@ -90,38 +90,52 @@ def _ring_forward(q, k, v, scale, plan, comm):
             )
             if out is None:
                 assert block.q == slice(None), "a plan must start with a block covering all rows"
-                out, lse = block_out.to(acc), block_lse.to(acc).contiguous()
+                out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
             else:
+                if out.dtype != acc:  # the first merge: accumulate in fp32 from here on
+                    out, lse = out.to(acc), lse.to(acc)
                 merge_block(_rows(out, block.q), lse[:, :, block.q], block_out, block_lse)
         if pending is not None:
             kv = pending.wait()
     return out.to(q.dtype), lse
 
 
+def _accumulate(total, rows: slice, block_grad, like, acc):
+    """total[rows] += block_grad, where a missing total starts as the block gradient itself
+    when the block covers every row (no zero-filled buffer, no copy in fp32)."""
+    if total is None:
+        if rows == slice(None):
+            return block_grad.to(acc)
+        total = torch.zeros_like(like, dtype=acc)
+    _rows(total, rows).add_(block_grad)
+    return total
+
+
 def _ring_backward(dout, q, k, v, out, lse, scale, plan, comm):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
     backend = select_backend(q)
     acc = accumulation_dtype(q.dtype)
-    dq = torch.zeros_like(q, dtype=acc)
+    dq = None
     kv, pending_kv, pending_dkv = [k, v], None, None
     for step in range(size):
         if step + 1 < size:
             pending_kv = comm.start(kv)
-        dk = torch.zeros_like(k, dtype=acc)
-        dv = torch.zeros_like(v, dtype=acc)
+        dk = dv = None
         for block in plan.blocks(step, rank, size, q.shape[2], k.shape[2]):
             rows = block.q
             block_dq, block_dk, block_dv = attention_backward(
                 _rows(dout, rows), _rows(q, rows), _rows(kv[0], block.kv), _rows(kv[1], block.kv),
                 _rows(out, rows), lse[:, :, rows], block.causal, scale, backend,
             )
-            _rows(dq, rows).add_(block_dq)
-            _rows(dk, block.kv).add_(block_dk)
-            _rows(dv, block.kv).add_(block_dv)
+            dq = _accumulate(dq, rows, block_dq, q, acc)
+            dk = _accumulate(dk, block.kv, block_dk, k, acc)
+            dv = _accumulate(dv, block.kv, block_dv, v, acc)
+            del block_dq, block_dk, block_dv
         if pending_dkv is not None:  # what the ranks before us added for this K/V block
             earlier_dk, earlier_dv = pending_dkv.wait()
             dk.add_(earlier_dk)
             dv.add_(earlier_dv)
+            del earlier_dk, earlier_dv
         if comm is None:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         # After the last step this goes to the block's owner, complete.

@@ -23,13 +23,17 @@ from ..zigzag_ring_attn import zigzag_ring_attention
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Piece i of x along scatter_dim goes to rank i; the pieces received are concatenated
+    along gather_dim. Copies only where the layout forces one: the send buffer must be
+    contiguous (gloo silently corrupts some strided tensors) and is x itself when its pieces
+    already are (heads of a batch of one); the result is a view of the receive buffer when
+    the pieces line up (the sequence back from heads at batch one)."""
     size = dist.get_world_size(group)
-    # One copy into a contiguous (size, ...) buffer: gloo needs contiguous tensors (and
-    # silently corrupts some strided ones); stack's result always is.
-    send = torch.stack(x.chunk(size, dim=scatter_dim))
+    send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    del send
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 class _AllToAll(torch.autograd.Function):
