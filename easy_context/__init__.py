@@ -21,6 +21,10 @@ Architecture (one file or folder per concern):
       data_parallel/     no sequence parallelism
     hf.py              the single transformers integration point (attention + mask registries)
     api.py             the functions above
+Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
+    evaluation.py      score whole sequences over an SP group (no grad, per-token results)
+    needle.py          needle / passkey prompts for any tokenizer
+    models.py, data.py, loss.py, tiled_mlp.py, launch.py, plots.py
 """
 
 from .api import (

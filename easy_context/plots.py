@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import math
-from pathlib import Path
 
 __all__ = ["needle_heatmap", "perplexity_curves", "read_perplexity_csv"]
 
