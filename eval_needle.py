@@ -28,9 +28,8 @@ import torch
 
 import easy_context as ec
 from easy_context.data import embedded_prose
-from easy_context.evaluation import SeqParallelScorer, eval_dtype, resolve_model
+from easy_context.evaluation import load_scorer, resolve_model
 from easy_context.launch import fail as launch_fail, make_accelerator
-from easy_context.models import check_config, load_pretrained
 from easy_context.modes import get_mode
 from easy_context.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
 from easy_context.plots import needle_heatmap
@@ -140,22 +139,15 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     accelerator = make_accelerator()
-    rank, world = accelerator.process_index, accelerator.num_processes
     lengths, depths = sweep(args)
-    mode = get_mode(args.parallel_mode)
     try:
-        topology = mode.topology(world, args.sp_size, args.ring_degree)
+        get_mode(args.parallel_mode).topology(accelerator.num_processes, args.sp_size, args.ring_degree)
         source = resolve_model(args.model)
-        model, tokenizer = load_pretrained(source, args.rope_theta, eval_dtype(args.dtype, accelerator.device))
-        check_config(model.config, topology, args.max_context_length, args.parallel_mode)
+        scorer, tokenizer = load_scorer(accelerator, source, args.parallel_mode, max_length=args.max_context_length,
+                                        sp_size=args.sp_size, ring_degree=args.ring_degree, rope_theta=args.rope_theta,
+                                        dtype=args.dtype)
     except (ValueError, OSError) as error:
         fail(str(error))
-    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model.config.model_type, sp_size=args.sp_size, ring_degree=args.ring_degree)
-    model.eval()
-    # DeepSpeed (the inference config): ZeRO-3 shards and offloads the weights; else a full copy per rank.
-    model = accelerator.prepare(model) if accelerator.state.deepspeed_plugin is not None else model.to(accelerator.device)
-    scorer = SeqParallelScorer(model, args.parallel_mode, rank, world, accelerator.device, sp_size=args.sp_size,
-                               ring_degree=args.ring_degree, lockstep=accelerator.state.deepspeed_plugin is not None)
     try:
         haystack = Haystack(tokenizer, haystack_text(args), min_tokens=args.max_context_length)
         make_prompt(args, tokenizer, haystack, lengths[0], 0.0, 0)  # the tightest fit, checked on every rank

@@ -34,9 +34,8 @@ import torch
 
 import easy_context as ec
 from easy_context.data import load_any_dataset, stdlib_heldout_documents
-from easy_context.evaluation import SeqParallelScorer, eval_dtype, resolve_model
+from easy_context.evaluation import load_scorer, resolve_model
 from easy_context.launch import fail as launch_fail, make_accelerator
-from easy_context.models import check_config, load_pretrained
 from easy_context.modes import get_mode
 from easy_context.plots import perplexity_curves
 
@@ -167,16 +166,9 @@ def window_nll(scorer, sample: torch.Tensor, begin: int, end: int, first: int) -
 def evaluate_model(args, accelerator, source: str, lengths: list[int], bar_position: int) -> dict[int, tuple[float, int]]:
     from tqdm.auto import tqdm
 
-    rank, world = accelerator.process_index, accelerator.num_processes
-    model, tokenizer = load_pretrained(source, args.rope_theta, eval_dtype(args.dtype, accelerator.device))
-    check_config(model.config, get_mode(args.parallel_mode).topology(world, args.sp_size, args.ring_degree), max(lengths),
-                 args.parallel_mode)
-    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model.config.model_type, sp_size=args.sp_size, ring_degree=args.ring_degree)
-    model.eval()
-    model = accelerator.prepare(model) if accelerator.state.deepspeed_plugin is not None else model.to(accelerator.device)
-    scorer = SeqParallelScorer(model, args.parallel_mode, rank, world, accelerator.device, sp_size=args.sp_size,
-                               ring_degree=args.ring_degree, chunk_size=1024 if args.aggressive_memory else 4096,
-                               lockstep=accelerator.state.deepspeed_plugin is not None)
+    scorer, tokenizer = load_scorer(accelerator, source, args.parallel_mode, max_length=max(lengths), sp_size=args.sp_size,
+                                    ring_degree=args.ring_degree, rope_theta=args.rope_theta, dtype=args.dtype,
+                                    chunk_size=1024 if args.aggressive_memory else 4096)
     samples = load_samples(args, tokenizer)
     work = [(n, i, *span) for n in lengths for i, s in enumerate(samples)
             for span in windows(len(s), n, args.sliding_window, args.truncate)]
@@ -194,7 +186,7 @@ def evaluate_model(args, accelerator, source: str, lengths: list[int], bar_posit
     totals = {n: (0.0, 0) for n in lengths}
     for n, nll, count in scorer.collect(results):
         totals[n] = (totals[n][0] + nll, totals[n][1] + count)
-    del model, scorer
+    del scorer
     gc.collect()
     return totals
 

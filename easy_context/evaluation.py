@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .api import gather_seq_parallel_outputs, prepare_seq_parallel_inputs
 from .modes import get_mode
 
-__all__ = ["DEFAULT_EVAL_MODEL", "resolve_model", "TokenScores", "SeqParallelScorer", "eval_dtype"]
+__all__ = ["DEFAULT_EVAL_MODEL", "resolve_model", "TokenScores", "SeqParallelScorer", "eval_dtype", "load_scorer"]
 
 # Where the README's training command saves its model.
 DEFAULT_EVAL_MODEL = "outputs/tiny-llama"
@@ -141,3 +141,24 @@ class SeqParallelScorer:
             dist.all_gather_object(everyone, results)
             results = [pair for part in everyone for pair in part]
         return [result for _, result in sorted(results, key=lambda pair: pair[0])]
+
+
+def load_scorer(accelerator, source: str, mode: str, *, max_length: int, sp_size=None, ring_degree=None,
+                rope_theta=None, dtype: str = "auto", chunk_size: int = 4096):
+    """(scorer, tokenizer) for a model ready to evaluate under `mode`: loaded, checked for what
+    sequence parallelism cannot run at `max_length` (ValueError/OSError), patched, in eval
+    mode, and either a full copy on this rank's device or, under DeepSpeed (the inference
+    config), a ZeRO-3 engine with sharded, offloaded weights and lockstep scoring."""
+    from . import api
+    from .models import check_config, load_pretrained
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    model, tokenizer = load_pretrained(source, rope_theta, eval_dtype(dtype, accelerator.device))
+    check_config(model.config, get_mode(mode).topology(world, sp_size, ring_degree), max_length, mode)
+    api.apply_seq_parallel_monkey_patch(mode, model.config.model_type, sp_size=sp_size, ring_degree=ring_degree)
+    model.eval()
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    model = accelerator.prepare(model) if deepspeed else model.to(accelerator.device)
+    scorer = SeqParallelScorer(model, mode, rank, world, accelerator.device, sp_size=sp_size, ring_degree=ring_degree,
+                               chunk_size=chunk_size, lockstep=deepspeed)
+    return scorer, tokenizer
