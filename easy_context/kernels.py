@@ -6,12 +6,25 @@ compute exact gradients block by block.
 
 Layout everywhere: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) with Hq % Hkv == 0 (GQA is never
 materialised by the caller), lse (B, Hq, Sq) in fp32 (fp64 for fp64 inputs), natural log.
+q/k/v usually are (B, H, S, D) views of (B, S, H, D)-dense tensors (HF transposes its
+projections); no backend copies them unless its kernel needs another layout.
 
-Backends, picked per call from the tensors' device (override with EASY_CONTEXT_KERNEL):
-  cpu_flash    torch's fused CPU flash-attention op (private aten op, pinned by tests)
-  flash_attn   Dao-AILab flash_attn on CUDA, fp16/bf16 (optional dependency)
-  cuda_flash   torch's fused CUDA flash op, fp16/bf16
-  math         pure torch, fp32 accumulation, any device; the reference and the fallback
+Masks: `mask` is a bool tensor broadcastable to (B, 1, Sq, Sk), True where the query may
+attend the key, and never given together with causal=True. A query row with no allowed key
+gets out 0 and lse -inf on every backend, and zero gradients (never NaN).
+
+Backends, picked per call from the tensors' device, dtype and head dim (override with
+EASY_CONTEXT_KERNEL):
+  cpu_flash       torch's fused CPU flash-attention op (private aten op, pinned by tests); masks
+  flash_attn      Dao-AILab flash_attn on CUDA, fp16/bf16 (optional dependency)
+  cuda_flash      torch's fused CUDA flash op, fp16/bf16
+  cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks
+  math            pure torch, fp32 accumulation, any device; masks; the reference and the fallback
+Order on CUDA: fp16/bf16 flash_attn, cuda_flash, cuda_efficient, math; fp32 cuda_efficient,
+math. The two flash backends need compute capability >= 8.0 and a head dim <= 256 that is a
+multiple of 8. A masked call uses the best backend that takes a mask: a forced
+EASY_CONTEXT_KERNEL that cannot (flash_attn, cuda_flash) still serves every unmasked call,
+and masked calls fall back to the best masked backend.
 
 `causal=True` is only used with Sq == Sk (diagonal blocks), so top-left vs bottom-right
 alignment of the backends never matters.
@@ -20,7 +33,7 @@ alignment of the backends never matters.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import inspect
 import os
 from typing import Callable, NamedTuple
 
@@ -34,29 +47,104 @@ __all__ = [
     "FORWARD_CALLS",
 ]
 
+_HALF = (torch.float16, torch.bfloat16)
+_INF = float("inf")
+
 
 class Backend(NamedTuple):
     name: str
-    forward: Callable  # (q, k, v, causal, scale) -> (out, lse)
-    backward: Callable  # (dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
+    forward: Callable  # (q, k, v, causal, scale[, mask]) -> (out, lse)
+    backward: Callable  # (dout, q, k, v, out, lse, causal, scale[, mask]) -> (dq, dk, dv)
+    supports_mask: bool = False  # forward/backward take a (B or 1, 1, Sq, Sk) bool mask last
 
 
 class _ForwardCounter:
     """Forward kernel calls and query x key products computed (a causal square block of n
-    rows counts n(n+1)/2); tests use it to prove what was recomputed and how work is spread."""
+    rows counts n(n+1)/2; a masked block counts its allowed (query, key) pairs summed over the
+    mask's batch rows and divided by their number, rounded, so batch and heads never count);
+    tests use it to prove what was recomputed and how work is spread.
+
+    A masked count is a reduction on the mask's device, added up lazily: reading `products`
+    is the only host sync. `enabled = False` skips counting altogether."""
 
     def __init__(self) -> None:
+        self.enabled = True
         self.reset()
 
     def reset(self) -> None:
-        self.calls = self.products = 0
+        self.calls = 0
+        self._products = 0
+        self._masked_products = None  # 0-dim tensor on the masks' device, not yet read
 
-    def add(self, q_len: int, k_len: int, causal: bool) -> None:
+    @property
+    def products(self) -> int:
+        self._fold()
+        return self._products
+
+    def _fold(self) -> None:
+        if self._masked_products is not None:
+            self._products += int(self._masked_products)
+            self._masked_products = None
+
+    def add(self, q_len: int, k_len: int, causal: bool, mask: torch.Tensor | None = None) -> None:
+        if not self.enabled:
+            return
         self.calls += 1
-        self.products += q_len * (q_len + 1) // 2 if causal else q_len * k_len
+        if mask is None:
+            self._products += q_len * (q_len + 1) // 2 if causal else q_len * k_len
+            return
+        rows = mask.shape[0]
+        allowed = (mask.sum() * 2 + rows) // (2 * rows)  # mean over batch rows, rounded half up
+        if self._masked_products is not None and self._masked_products.device != allowed.device:
+            self._fold()  # masks on two devices: add the older count up on the host (rare)
+        self._masked_products = allowed if self._masked_products is None else self._masked_products + allowed
 
 
 FORWARD_CALLS = _ForwardCounter()
+
+
+# -------------------------------------------------------------------------- masks
+def _checked_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The mask as a (B or 1, 1, Sq, Sk) bool view (broadcast dims expanded, nothing copied)."""
+    if causal:
+        raise ValueError("causal must be False when a mask is given (put causality in the mask)")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}")
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    m = mask[(None,) * (4 - mask.dim())] if mask.dim() <= 4 else mask
+    if m.dim() != 4 or any(n not in (1, full) for n, full in zip(m.shape, (b, 1, sq, sk))):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (B, 1, Sq, Sk) = ({b}, 1, {sq}, {sk})"
+        )
+    return m.expand(m.shape[0], 1, sq, sk)
+
+
+def _empty_rows(mask: torch.Tensor) -> torch.Tensor:
+    """(B or 1, 1, Sq): query rows with no allowed key."""
+    return ~mask.any(-1)
+
+
+def _additive_bias(mask: torch.Tensor, dtype: torch.dtype, key_align: int = 1) -> torch.Tensor:
+    """0 where `mask` allows, -inf where it forbids, in `dtype`. The bias is a slice of storage
+    whose key dim is padded up to a multiple of `key_align` (row starts stay aligned)."""
+    *lead, sk = mask.shape
+    storage = torch.zeros(*lead, -(-sk // key_align) * key_align, dtype=dtype, device=mask.device)
+    return storage[..., :sk].masked_fill_(~mask, -_INF)
+
+
+def _clear_empty_rows(out, lse, mask, clear_out: bool = True):
+    """The contract for rows with no allowed key: out 0, lse -inf, whatever the kernel gave."""
+    empty = _empty_rows(mask)
+    if clear_out:  # where, not masked_fill: it keeps out's (B, S, H, D) memory layout
+        out = torch.where(empty.unsqueeze(-1), 0, out)
+    return out, lse.masked_fill(empty, -_INF)
+
+
+def _backward_lse(lse: torch.Tensor) -> torch.Tensor:
+    """lse for a masked backward: rows with no allowed key (-inf) get +inf, so every
+    probability exp(score - lse) of theirs is 0 and so are their gradients (-inf - -inf
+    would be NaN). The CUDA efficient kernel pads its own lse with +inf for the same reason."""
+    return lse.masked_fill(lse == -_INF, _INF)
 
 
 # --------------------------------------------------------------------------- math
@@ -71,7 +159,7 @@ def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     return q.reshape(b, n_kv, h // n_kv, s, d)
 
 
-def _math_scores(q, k, causal, scale):
+def _math_scores(q, k, causal, scale, mask=None):
     acc = accumulation_dtype(q.dtype)
     qg = _grouped(q.to(acc), k.shape[1])
     scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
@@ -79,21 +167,27 @@ def _math_scores(q, k, causal, scale):
         sq, sk = scores.shape[-2:]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:  # (B, 1, Sq, Sk) -> (B, 1, 1, Sq, Sk) over (B, Hkv, G, Sq, Sk)
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
     return qg, scores
 
 
-def _math_forward(q, k, v, causal, scale):
-    _, scores = _math_scores(q, k, causal, scale)
+def _math_forward(q, k, v, causal, scale, mask=None):
+    _, scores = _math_scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    # A row with no allowed key has lse -inf: subtract 0 there, so its probabilities are 0, not NaN.
+    shift = lse if mask is None else lse.masked_fill(lse == -_INF, 0)
+    probs = torch.exp(scores - shift.unsqueeze(-1))
     out = torch.matmul(probs, v.to(probs.dtype).unsqueeze(2))
     b, h, s, d = q.shape
     return out.reshape(b, h, s, -1).to(q.dtype), lse.reshape(b, h, s)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     n_kv = k.shape[1]
-    qg, scores = _math_scores(q, k, causal, scale)
+    qg, scores = _math_scores(q, k, causal, scale, mask)
+    if mask is not None:
+        lse = _backward_lse(lse)
     acc = scores.dtype
     probs = torch.exp(scores - _grouped(lse.to(acc).unsqueeze(-1), n_kv))
     dout_g = _grouped(dout.to(acc), n_kv)
@@ -107,45 +201,119 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 # ---------------------------------------------------------------------- cpu_flash
-def _cpu_flash_forward(q, k, v, causal, scale):
+# The CPU op takes K/V with fewer heads, strided (B, H, S, D) views and a broadcastable additive
+# float mask as they are, in both directions (pinned by tests): nothing is copied here.
+def _cpu_flash_forward(q, k, v, causal, scale, mask=None):
+    bias = None if mask is None else _additive_bias(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
     )
-    return out, lse.to(accumulation_dtype(q.dtype))
+    lse = lse.to(accumulation_dtype(q.dtype))
+    if mask is not None:  # the op gives rows with no allowed key out 0 already, but lse 0
+        out, lse = _clear_empty_rows(out, lse, mask, clear_out=False)
+    return out, lse
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    bias = None
+    if mask is not None:
+        bias, lse = _additive_bias(mask, q.dtype), _backward_lse(lse)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
 
 
 # --------------------------------------------------------------------- cuda_flash
+# The op takes K/V with fewer heads (GQA) and strided (B, H, S, D) views; it makes dout and out
+# contiguous itself, in the (B, S, H, D) layout its kernel wants (a .contiguous() here would
+# produce the (B, H, S, D) layout and a second copy).
+def _cuda_flash_forward(q, k, v, causal, scale):
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+def _flash_rng_placeholders(device: torch.device):
+    """What the forward returns as (rng_state, unused) with dropout 0: uint64 (2,) and () (int64
+    () on ROCm). The backward reads them only when dropout_p > 0; passing the forward's shapes
+    makes the call the one SDPA's own autograd makes."""
+    if torch.version.hip:
+        return (torch.empty((), dtype=torch.int64, device=device),) * 2
+    return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+
+
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    seed, offset = _flash_rng_placeholders(q.device)
+    # cum_seq_q/k None (undefined), as the forward returns them: a defined tensor sends the kernel
+    # down its variable-length path, which wants int32 cu_seqlens of B + 1 entries.
+    # lse is made contiguous because the kernel indexes it as a dense (B, H, Sq) array.
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        scale=scale,
+    )
+
+
+# ----------------------------------------------------------------- cuda_efficient
+# Its kernel pads the lse to a multiple of 32 queries (with +inf) and its backward reads the lse
+# of a block of queries rounded up to 32 without bounds checks (mem_eff_attention's
+# accumApplyLSEToSmem); ROCm's kernels neither pad nor accept padding (they view it as Sq).
+_EFFICIENT_LSE_ALIGN = 1 if torch.version.hip else 32
+# attn_bias rows must start aligned (bias.stride(2) % alignment == 0, alignment <= 16 elements).
+_EFFICIENT_BIAS_ALIGN = 16
+
+
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def _cuda_flash_forward(q, k, v, causal, scale):
-    # torch's fused CUDA flash op wants equal head counts: repeat K/V for GQA here only.
-    n_rep = q.shape[1] // k.shape[1]
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), 0.0, causal, False, scale=scale
-    )
-    return res[0], res[1][..., : q.shape[2]].float()
+def _efficient_bias(mask, q):
+    """The mask as the op's attn_bias: (B, Hq, Sq, Sk) in q's dtype, broadcast dims stride 0."""
+    if mask is None:
+        return None
+    return _additive_bias(mask, q.dtype, _EFFICIENT_BIAS_ALIGN).expand(q.shape[0], q.shape[1], -1, -1)
 
 
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
+def _efficient_backward_lse(lse: torch.Tensor, masked: bool) -> torch.Tensor:
+    """The lse in the padded (B, H, Sq rounded up to 32) layout the forward hands to the backward,
+    padding +inf like the kernel's own."""
+    b, h, sq = lse.shape
+    padded = lse.new_full((b, h, -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN), _INF, dtype=torch.float32)
+    padded[..., :sq] = _backward_lse(lse) if masked else lse
+    return padded
+
+
+def _with_dense_rows(out: torch.Tensor) -> torch.Tensor:
+    """`out` as a view of a (B, S, H, D)-dense tensor (row slices of one qualify). The backward
+    kernel reads out with a query stride of H * D whatever the tensor's strides say (o_strideM
+    in mem_eff_attention's kernel_backward.h) and torch does not check it."""
+    _, h, _, d = out.shape
+    if out.stride(3) == 1 and out.stride(2) == h * d:
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _cuda_efficient_forward(q, k, v, causal, scale, mask=None):
+    # The op wants equal head counts: repeat K/V for GQA here only.
     n_rep = q.shape[1] // k.shape[1]
-    kr, vr = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
-    empty = torch.empty(0, device=q.device, dtype=torch.int64)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(), q, kr, vr, out.contiguous(), lse.contiguous(),
-        empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale,
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), _efficient_bias(mask, q), True, 0.0, causal, scale=scale
     )
-    if n_rep > 1:
-        b, h, s, d = k.shape
-        dk = dk.reshape(b, h, n_rep, s, d).sum(2)
-        dv = dv.reshape(b, h, n_rep, s, d).sum(2)
+    lse = lse[..., : q.shape[2]]
+    if mask is not None:  # unverified what the kernel gives rows with no allowed key: overwrite it
+        out, lse = _clear_empty_rows(out, lse, mask)
+    return out, lse
+
+
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    n_rep = q.shape[1] // k.shape[1]
+    seed = offset = torch.empty((), dtype=torch.int64, device=q.device)  # read only with dropout
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), _efficient_bias(mask, q), _with_dense_rows(out),
+        _efficient_backward_lse(lse, mask is not None), seed, offset, 0.0, [True, True, True, False], causal,
+        scale=scale,
+    )
+    if n_rep > 1:  # each KV head's gradient is the sum over the query heads that read it
+        dk = dk.unflatten(1, (k.shape[1], n_rep)).sum(2)
+        dv = dv.unflatten(1, (v.shape[1], n_rep)).sum(2)
     return dq, dk, dv
 
 
@@ -157,9 +325,44 @@ def _flash_attn_module():
     return flash_attn_interface
 
 
+@functools.lru_cache(maxsize=None)
+def _flash_attn_usable() -> bool:
+    try:
+        _flash_attn_module()
+    except ImportError:  # not installed, or built for another torch (undefined symbols)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_names(fn) -> frozenset:
+    """Names `fn` takes. flash_attn >= 2.7 declares its private ops with torch.library.custom_op,
+    whose Python signature is (*args, **kwargs): the op's schema has the real names."""
+    schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)
+    if schema is not None:
+        return frozenset(arg.name for arg in schema.arguments)
+    return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_backward_options(fn) -> tuple:
+    """(name, value) pairs that turn off the features this release's backward asks about; the
+    private signature changed across flash_attn releases."""
+    params = _parameter_names(fn)
+    options = {}
+    if "window_size_left" in params:  # >= 2.7
+        options.update(window_size_left=-1, window_size_right=-1)
+    elif "window_size" in params:  # 2.3 - 2.6
+        options.update(window_size=(-1, -1))
+    for name, value in (("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("rng_state", None)):
+        if name in params:
+            options[name] = value
+    return tuple(options.items())
+
+
 def _flash_attn_forward(q, k, v, causal, scale):
     fa = _flash_attn_module()
-    # flash_attn wants (B, S, H, D); HF's q/k/v are transposes of exactly that layout.
+    # flash_attn wants (B, S, H, D); HF's q/k/v are transposes of exactly that layout (no copy).
     out, lse, *_ = fa.flash_attn_func(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         softmax_scale=scale, causal=causal, return_attn_probs=True,
@@ -168,72 +371,122 @@ def _flash_attn_forward(q, k, v, causal, scale):
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
-    import inspect
-
     fa = _flash_attn_module()
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
-    params = inspect.signature(fa._flash_attn_backward).parameters
-    kwargs = dict(dropout_p=0.0, softmax_scale=scale, causal=causal)
-    # The private signature changed across flash_attn releases; pass what this one takes.
-    if "window_size_left" in params:
-        kwargs.update(window_size_left=-1, window_size_right=-1)
-    elif "window_size" in params:
-        kwargs.update(window_size=(-1, -1))
-    for name, value in (("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("rng_state", None)):
-        if name in params:
-            kwargs[name] = value
+    # flash_attn copies dout/out itself only if their last dim is strided; the lse it indexes
+    # as a dense (B, H, Sq) array.
+    options = dict(_flash_attn_backward_options(fa._flash_attn_backward))
     fa._flash_attn_backward(
-        t(dout).contiguous(), t(q), t(k), t(v), t(out).contiguous(), lse.contiguous(), dq, dk, dv, **kwargs
+        t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), dq, dk, dv,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, **options,
     )
     return t(dq), t(dk), t(dv)
 
 
 # ---------------------------------------------------------------------- selection
 _BACKENDS = {
-    "math": Backend("math", _math_forward, _math_backward),
-    "cpu_flash": Backend("cpu_flash", _cpu_flash_forward, _cpu_flash_backward),
+    "math": Backend("math", _math_forward, _math_backward, supports_mask=True),
+    "cpu_flash": Backend("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, supports_mask=True),
     "cuda_flash": Backend("cuda_flash", _cuda_flash_forward, _cuda_flash_backward),
+    "cuda_efficient": Backend("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward, supports_mask=True),
     "flash_attn": Backend("flash_attn", _flash_attn_forward, _flash_attn_backward),
 }
 
 
-def available_backends(device_type: str, dtype: torch.dtype) -> list[str]:
-    """Backends usable for this device and dtype, fastest first; 'math' is always last."""
+def _flash_fits(head_dim, capability) -> bool:
+    """Limits shared by flash_attn and torch's flash op: sm80+ kernels, head dims up to 256."""
+    return (capability is None or capability >= (8, 0)) and (
+        head_dim is None or (head_dim <= 256 and head_dim % 8 == 0)
+    )
+
+
+def _efficient_fits(dtype, head_dim, capability) -> bool:
+    """The checks torch's own SDPA dispatcher makes before it picks the efficient op
+    (sdp_utils.cpp): bf16 needs sm80, the head dim a multiple of the GEMM alignment."""
+    if dtype not in (torch.float32, *_HALF):
+        return False
+    if capability is not None and (capability < (5, 0) or (dtype == torch.bfloat16 and capability < (8, 0))):
+        return False
+    alignment = 8 if dtype in _HALF else 4 if capability is None or capability >= (8, 0) else 1
+    return head_dim is None or head_dim % alignment == 0
+
+
+def available_backends(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    capability: tuple[int, int] | None = None,
+    masked: bool = False,
+) -> list[str]:
+    """Backends usable for this device and dtype, fastest first; 'math' is always last.
+
+    On CUDA the fused kernels' limits are checked against `head_dim` and the device's compute
+    `capability` (None: not checked). masked=True keeps the backends that take a mask."""
     names = []
-    half = dtype in (torch.float16, torch.bfloat16)
     if device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         names.append("cpu_flash")
-    if device_type == "cuda" and half:
-        if importlib.util.find_spec("flash_attn") is not None:
-            names.append("flash_attn")
-        names.append("cuda_flash")
+    if device_type == "cuda":
+        if dtype in _HALF and _flash_fits(head_dim, capability):
+            if _flash_attn_usable():
+                names.append("flash_attn")
+            if torch.backends.cuda.is_flash_attention_available():  # False for builds without it
+                names.append("cuda_flash")
+        if _efficient_fits(dtype, head_dim, capability):
+            names.append("cuda_efficient")
     names.append("math")
-    return names
+    return [n for n in names if _BACKENDS[n].supports_mask] if masked else names
 
 
-def select_backend(q: torch.Tensor) -> Backend:
-    forced = os.environ.get("EASY_CONTEXT_KERNEL")
-    choices = available_backends(q.device.type, q.dtype)
+@functools.lru_cache(maxsize=None)
+def _usable_backends(device_type: str, device_index: int | None, dtype: torch.dtype, head_dim: int) -> tuple:
+    """available_backends for one device, queried once per (device, dtype, head dim)."""
+    capability = torch.cuda.get_device_capability(device_index) if device_type == "cuda" else None
+    return tuple(available_backends(device_type, dtype, head_dim, capability))
+
+
+def select_backend(q: torch.Tensor, masked: bool = False) -> Backend:
+    """The backend for attention on tensors like `q`; masked=True: the best that takes a mask."""
+    choices = _usable_backends(q.device.type, q.device.index, q.dtype, q.shape[-1])
+    forced = os.environ.get("EASY_CONTEXT_KERNEL")  # read per call: tests set it
     if forced:
         if forced not in choices:
             raise ValueError(
-                f"EASY_CONTEXT_KERNEL={forced!r} cannot run {q.dtype} on {q.device.type}; "
-                f"usable here: {choices}"
+                f"EASY_CONTEXT_KERNEL={forced!r} cannot run {q.dtype} (head dim {q.shape[-1]}) on "
+                f"{q.device}; usable here: {list(choices)}"
             )
-        return _BACKENDS[forced]
-    return _BACKENDS[choices[0]]
+        if not masked or _BACKENDS[forced].supports_mask:
+            return _BACKENDS[forced]
+    return _BACKENDS[next(n for n in choices if not masked or _BACKENDS[n].supports_mask)]
 
 
-def attention_forward(q, k, v, causal: bool, scale: float, backend: Backend | None = None):
+def _masked_backend(backend: Backend | None, q: torch.Tensor) -> Backend:
+    backend = backend or select_backend(q, masked=True)
+    if not backend.supports_mask:
+        raise ValueError(f"backend {backend.name!r} cannot take a mask; use select_backend(q, masked=True)")
+    return backend
+
+
+def attention_forward(q, k, v, causal: bool, scale: float, backend: Backend | None = None, mask=None):
     """One attention block. Returns out (B, Hq, Sq, D) in q's dtype and lse (B, Hq, Sq) in
-    accumulation_dtype(q.dtype)."""
+    accumulation_dtype(q.dtype). `mask`: see the module docstring."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square, got Sq={q.shape[2]} Sk={k.shape[2]}")
-    FORWARD_CALLS.add(q.shape[2], k.shape[2], causal)
-    return (backend or select_backend(q)).forward(q, k, v, causal, scale)
+    if mask is None:
+        FORWARD_CALLS.add(q.shape[2], k.shape[2], causal)
+        return (backend or select_backend(q)).forward(q, k, v, causal, scale)
+    mask = _checked_mask(mask, q, k, causal)
+    backend = _masked_backend(backend, q)
+    FORWARD_CALLS.add(q.shape[2], k.shape[2], False, mask)
+    return backend.forward(q, k, v, False, scale, mask)
 
 
-def attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, backend: Backend | None = None):
-    """Gradients of one block given the global out/lse of the rows it covers."""
-    return (backend or select_backend(q)).backward(dout, q, k, v, out, lse, causal, scale)
+def attention_backward(
+    dout, q, k, v, out, lse, causal: bool, scale: float, backend: Backend | None = None, mask=None
+):
+    """Gradients of one block given the global out/lse of the rows it covers (and the same
+    mask as its forward)."""
+    if mask is None:
+        return (backend or select_backend(q)).backward(dout, q, k, v, out, lse, causal, scale)
+    mask = _checked_mask(mask, q, k, causal)
+    return _masked_backend(backend, q).backward(dout, q, k, v, out, lse, False, scale, mask)
