@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
-from easy_context.data import byte_tokenizer, load_token_rows, stdlib_token_stream, windows
+from easy_context.data import byte_tokenizer, document_positions, load_token_rows, stdlib_token_stream, windows
 from easy_context.launch import fail as launch_fail, make_accelerator
 from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
 from easy_context.models import check_config, load_config, load_pretrained
@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in the backward")
     p.add_argument("--offload-checkpoints", action="store_true", help="keep checkpointed layer inputs in host memory (with --activation-checkpointing)")
     p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS", help="run MLPs over sequence tiles of this many tokens (0: off)")
+    p.add_argument("--document-masking", action="store_true", help="restart positions after each EOS: no token attends across a document")
+    p.add_argument("--balance-documents", action="store_true", help="with --document-masking: reorder each row's documents so every rank gets the same attention work (results unchanged)")
     p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
     p.add_argument("--output-dir", default="outputs/tiny-llama")
     p.add_argument("--checkpointing-steps", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
@@ -69,6 +71,8 @@ def parse_args(argv=None):
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.learning_rate <= 0:
         errors.append(f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.balance_documents and not args.document_masking:
+        errors.append("--balance-documents needs --document-masking (it reorders documents)")
     if args.offload_checkpoints and not args.activation_checkpointing:
         errors.append("--offload-checkpoints needs --activation-checkpointing")
     if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.max_train_steps:
@@ -178,7 +182,7 @@ def resolve_resume(args) -> Path | None:
 # values (and the same number of processes) to continue exactly.
 RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree",
                "seed", "dataset", "model", "max_rows", "max_train_steps", "learning_rate", "warmup_steps",
-               "weight_decay", "rope_theta", "world_size")
+               "weight_decay", "rope_theta", "world_size", "document_masking", "balance_documents")
 
 
 def main(argv=None):
@@ -219,6 +223,9 @@ def main(argv=None):
         check_config(model.config, topology, args.seq_length, args.parallel_mode)
     except ValueError as error:
         fail(str(error))
+    eos_id = tokenizer.eos_token_id
+    if args.document_masking and eos_id is None:
+        fail("--document-masking needs a tokenizer with an EOS token (documents are separated by EOS)")
     model_type = model.config.model_type
     ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model_type, sp_size=args.sp_size, ring_degree=args.ring_degree)
     trainable = CausalLMLoss(model, args.loss_chunk_size)
@@ -286,7 +293,9 @@ def main(argv=None):
         started, step_sum, step_count = time.perf_counter(), 0.0, 0.0
         for micro in range(args.gradient_accumulate_every):
             batch = micro_batch(rows, step * args.gradient_accumulate_every + micro, args.batch_size, dp_rank, dp_size, args.seed)
-            local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], None, batch[:, 1:], rank, world, accelerator.device)
+            positions = document_positions(batch[:, :-1], eos_id) if args.document_masking else None
+            local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], positions, batch[:, 1:], rank, world,
+                                                   accelerator.device, balance_documents=args.balance_documents)
             with accelerator.accumulate(trainable):
                 loss_sum = trainable(local["local_input_ids"], local["local_position_ids"], local["local_target_ids"])
                 # Gradients are averaged over all ranks by DDP/DeepSpeed; scale so the result is

@@ -4,14 +4,16 @@ Public API (everything a training or evaluation script needs):
 
     apply_seq_parallel_monkey_patch(mode, model_type, **options)
     remove_seq_parallel_monkey_patch()
-    prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device, **options)
+    prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device,
+                                attention_mask=None, balance_documents=False, **options)
     prepare_dataloader(mode, dataloader, accelerator, **options)
     gather_seq_parallel_outputs(mode, local_tensor, dim=1, **options)
     options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn)
 
 Architecture (one file or folder per concern):
-    kernels.py         local attention block -> (out, lse) and its backward; CPU/CUDA backends
-    ring.py            the ring core: P2P rotation of K/V, log-sum-exp merging, exact backward
+    kernels.py         local attention block -> (out, lse) and its backward; CPU/CUDA backends, masks
+    masking.py         documents, padding and windows described once; the kernel calls they imply
+    ring.py            the ring core: direct K/V exchange per step, log-sum-exp merging, exact backward
     layout.py          how tokens are split over an SP group (zigzag/contiguous x Ulysses)
     process_groups.py  world = dp x sp, sp = ring x ulysses; groups created once
     modes.py           mode registry; one subpackage per mode holds only what differs:
@@ -24,6 +26,7 @@ Architecture (one file or folder per concern):
 Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
     evaluation.py      score whole sequences over an SP group (no grad, per-token results)
     needle.py          needle / passkey prompts for any tokenizer
+    balance.py         document order that balances packed rows over the ranks
     models.py, data.py, loss.py, tiled_mlp.py, launch.py, plots.py
 """
 

@@ -92,16 +92,27 @@ def _as_batch(name: str, x: Optional[torch.Tensor], batch: int, seq_len: int) ->
 
 
 def prepare_seq_parallel_inputs(
-    mode: str, input_ids, position_ids, target_ids, rank: int, world_size: int, device, **options
+    mode: str, input_ids, position_ids, target_ids, rank: int, world_size: int, device, attention_mask=None,
+    balance_documents: bool = False, **options
 ) -> dict:
     """Keep this rank's share of a batch of full sequences.
 
     rank/world_size are global; the rank's place in its SP group follows from sp_size.
-    input_ids (B, S); position_ids (B, S), (1, S) or None (0..S-1); target_ids (B, S) are
-    next-token targets already aligned with input_ids (shift before sharding; -100 is
-    ignored by losses) or None. Returns local_input_ids, local_position_ids (the GLOBAL
-    positions of the local tokens, so RoPE is right) and local_target_ids, on `device`.
-    data_parallel returns the inputs unchanged (moved to `device`).
+    input_ids (B, S); position_ids (B, S), (1, S) or None (0..S-1): packed documents restart
+    their positions (HF's convention: a document starts where position_ids[i] !=
+    position_ids[i-1] + 1); target_ids (B, S) are next-token targets already aligned with
+    input_ids (shift before sharding; -100 is ignored by losses) or None; attention_mask
+    (B, S) 0/1 marks padding (zeros at the start and/or end of a row) or None.
+    Returns local_input_ids, local_position_ids (the positions of the local tokens, so RoPE
+    is right), local_target_ids and local_attention_mask, on `device`. Pass
+    attention_mask=local["local_attention_mask"] and position_ids=local["local_position_ids"]
+    to the model. data_parallel returns the inputs unchanged (moved to `device`).
+
+    balance_documents=True (packed rows, ring modes): each row's documents are reordered so
+    every rank gets the same attention work (attention never crosses a document, so every
+    token's result and the loss are unchanged); `local_token_index` (B, S_local) then gives
+    each local token's index in the original row (gather_seq_parallel_outputs returns rows in
+    the new order).
     """
     resolved = get_mode(mode)
     topology = resolved.topology(world_size, **_options("prepare_seq_parallel_inputs", resolved, options))
@@ -111,12 +122,9 @@ def prepare_seq_parallel_inputs(
     def to_device(x):
         return None if x is None else x.to(device)
 
+    names = ("local_input_ids", "local_position_ids", "local_target_ids", "local_attention_mask")
     if resolved.attention is None:
-        return {
-            "local_input_ids": to_device(input_ids),
-            "local_position_ids": to_device(position_ids),
-            "local_target_ids": to_device(target_ids),
-        }
+        return dict(zip(names, map(to_device, (input_ids, position_ids, target_ids, attention_mask))))
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}")
     batch, seq_len = input_ids.shape
@@ -124,21 +132,39 @@ def prepare_seq_parallel_inputs(
         position_ids = torch.arange(seq_len, device=input_ids.device)
     position_ids = _as_batch("position_ids", position_ids, batch, seq_len)
     target_ids = _as_batch("target_ids", target_ids, batch, seq_len)
-    if seq_len > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
-        raise ValueError(
-            "position_ids must count up by one along each row (one contiguous sequence per row); "
-            "packed sequences are not supported yet"
-        )
+    attention_mask = _as_batch("attention_mask", attention_mask, batch, seq_len)
+    if attention_mask is not None:
+        hf._check_padding(attention_mask.cpu())
     layout, sp_rank = resolved.layout(topology), topology.sp_rank(rank)
+    rows = (input_ids, position_ids, target_ids, attention_mask)
+    order = _document_order(resolved, topology, position_ids, attention_mask) if balance_documents else None
+    if order is not None:
+        rows = tuple(None if x is None else x.gather(1, order.to(x.device)) for x in rows)
 
     def local(x):
         return None if x is None else to_device(layout.shard(x, sp_rank, dim=1))
 
-    return {
-        "local_input_ids": local(input_ids),
-        "local_position_ids": local(position_ids),
-        "local_target_ids": local(target_ids),
-    }
+    result = dict(zip(names, map(local, rows)))
+    if balance_documents:
+        result["local_token_index"] = local(order if order is not None else torch.arange(seq_len).expand(batch, seq_len))
+    return result
+
+
+def _document_order(mode, topology, position_ids, attention_mask) -> Optional[torch.Tensor]:
+    """Per row, an order of its documents that balances the ring's work (balance.py); None
+    when there is nothing to balance (no ring, or rows of one document)."""
+    from .balance import balanced_order
+    from .layout import Layout
+    from .masking import SequenceMask
+
+    if topology.ring_degree < 2:  # Ulysses alone: every rank attends the whole sequence already
+        return None
+    valid = None if attention_mask is None else attention_mask.cpu().bool()
+    mask = SequenceMask.from_positions(position_ids, valid)
+    ring = Layout(zigzag=mode.zigzag, ring_degree=topology.ring_degree)
+    dist_flash = mode.name == "dist_flash_attn"
+    valid = torch.ones_like(mask.first_key, dtype=torch.bool) if valid is None else valid
+    return torch.stack([balanced_order(mask.first_key[b], valid[b], ring, dist_flash) for b in range(len(valid))])
 
 
 class DataParallelShard:

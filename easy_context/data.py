@@ -16,7 +16,7 @@ import torch
 
 __all__ = [
     "byte_tokenizer", "stdlib_token_stream", "windows", "load_token_rows", "load_any_dataset",
-    "embedded_prose", "stdlib_heldout_documents", "BYTE_EOS_ID",
+    "embedded_prose", "stdlib_heldout_documents", "document_positions", "BYTE_EOS_ID",
 ]
 
 BYTE_EOS_ID = 256
@@ -67,6 +67,17 @@ def stdlib_token_stream(max_tokens: int | None = None) -> np.ndarray:
             break
     stream = np.concatenate(pieces)
     return stream if max_tokens is None else stream[:max_tokens]
+
+
+def document_positions(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids that restart at 0 after every EOS (the EOS ends its own document): HF's
+    packing convention, so no token attends across a document boundary."""
+    batch, seq = input_ids.shape
+    index = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    return index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
 
 
 def windows(stream: np.ndarray, length: int, max_rows: int | None = None) -> torch.Tensor:

@@ -8,9 +8,14 @@ found at call time through the registry, so models created before or after the p
 both covered, and nothing of the model code is forked.
 
 The mask dispatcher exists because transformers builds masks over the *local* shard: it
-would read the zigzag position jump as a packed-sequence boundary. Our attention needs no
-mask for plain causal LM inputs, so the dispatcher returns None, and refuses (loudly)
-masks it cannot honour instead of dropping them.
+would read the zigzag position jump as a packed-sequence boundary, and a padding mask
+over one shard says nothing about the others. It returns a `ShardedMask` instead: the
+local padding mask of this forward. At the first attention call of the forward, every
+rank of the SP group all-gathers its local position_ids and padding (S small integers,
+once per forward) and the result becomes one `masking.SequenceMask` over the whole
+sequence: documents (position_ids restarting), padding and, per layer, the sliding
+window. Every rank derives it from the same gathered data, so every check on it fails
+on all ranks alike and no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .layout import Layout
+from .masking import SequenceMask
 from .modes import SeqParallelMode
 from .process_groups import SeqParallelGroups, get_groups
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "install", "uninstall", "active_patch", "world_size"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "ShardedMask", "install", "uninstall", "active_patch", "world_size"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Implementations a patched model may use (each becomes sequence parallel). Every other name
@@ -67,50 +73,84 @@ def _is_patched(config) -> bool:
     return _active is not None and getattr(config, "model_type", None) in _active.model_types
 
 
-# ----------------------------------------------------------------------- checks
-def _raise_on_every_rank(ok: bool, message: str) -> None:
-    """Raise `message` here if not ok, and on every other rank of the SP group too (one tiny
-    all-reduce), so no rank is left waiting in the attention's collectives."""
-    group = _active.groups().sp
-    if group is not None:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        if not ok:
-            raise ValueError(message)
-        if not flag.item():
-            raise ValueError("another rank of the sequence-parallel group refused its inputs; see that rank's error")
-    elif not ok:
-        raise ValueError(message)
+# ------------------------------------------------------------------------ masks
+class ShardedMask:
+    """What the mask dispatcher hands the attention for one forward: the local 2D padding
+    mask (or None), resolved into a SequenceMask over the whole sequence at first use."""
+
+    def __init__(self, padding: Optional[torch.Tensor]):
+        self.padding = padding
+        self._resolved: Optional[SequenceMask] = None
+
+    def resolve(self, position_ids, groups: SeqParallelGroups, layout: Layout) -> SequenceMask:
+        if self._resolved is None:
+            self._resolved = _global_mask(position_ids, self.padding, groups, layout)
+        return self._resolved
 
 
-def _check_positions(position_ids: torch.Tensor, layout: Layout, rank: int, size: int) -> None:
-    """Local position_ids must be this rank's share of one contiguous sequence.
+def _global_mask(position_ids, padding, groups: SeqParallelGroups, layout: Layout) -> SequenceMask:
+    if position_ids is None:
+        raise ValueError("the model passed no position_ids to its attention; sequence parallelism needs them "
+                         "(pass local_position_ids from prepare_seq_parallel_inputs)")
+    batch = position_ids.shape[0] if padding is None else padding.shape[0]
+    local = torch.stack([
+        position_ids.expand(batch, -1).long(),
+        torch.ones_like(position_ids.expand(batch, -1), dtype=torch.long) if padding is None else padding.long(),
+    ]).contiguous()
+    size, rank = groups.topology.sp_size, groups.sp_rank
+    pieces = [local]
+    if groups.sp is not None:  # on the data's device: NCCL takes only CUDA tensors
+        pieces = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(pieces, local, group=groups.sp)
+    whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
+    positions, valid = whole[0], whole[1]
+    _check_positions(pieces, size, rank, layout)
+    _check_padding(valid)
+    return SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool())
 
-    Catches the silent failure modes: positions left to the model's default (arange over
-    the local shard: wrong RoPE on every rank but the first) and packed sequences.
-    """
-    expected = layout.local_indices(position_ids.shape[-1] * size, rank).to(position_ids.device)
-    offset = position_ids[..., :1] - expected[:1]
-    ok = bool((offset >= 0).all()) and bool((position_ids == offset + expected).all())
-    message = (
-        f"position_ids on rank {rank} of {size} are not this rank's {layout.name} share of one "
-        f"contiguous sequence (first values: {position_ids[0, :4].tolist()}). Pass the "
-        "`local_position_ids` returned by prepare_seq_parallel_inputs; packed sequences "
-        "(positions restarting inside a row) are not supported yet."
-    )
-    _raise_on_every_rank(ok, message)
+
+def _check_positions(pieces, size: int, rank: int, layout: Layout) -> None:
+    """Positions left to the model's default (arange over each local shard) give wrong RoPE
+    on every rank but the first, and would read as documents cut at shard boundaries."""
+    if size == 1:
+        return
+    local_len = pieces[0].shape[-1]
+    arange = torch.arange(local_len, device=pieces[0].device)
+    if all(bool((piece[0] == arange).all()) for piece in pieces):
+        raise ValueError(
+            f"position_ids on rank {rank} of {size} are the model's default (0..{local_len - 1} on every rank), "
+            f"not this rank's {layout.name} share of the sequence. Pass the `local_position_ids` returned "
+            "by prepare_seq_parallel_inputs."
+        )
 
 
-def _check_supported(module, query, key, attention_mask, kwargs, rank, size, layout) -> None:
+def _check_padding(valid: torch.Tensor) -> None:
+    """Padding = zeros at the start and/or end of a row; zeros inside a row are refused."""
+    if not bool(((valid == 0) | (valid == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    ones = valid.bool()
+    inside = ones.long().cummax(dim=1).values.bool() & ones.flip(1).long().cummax(dim=1).values.flip(1).bool()
+    holes = inside & ~ones
+    if bool(holes.any()):
+        row, col = (int(i) for i in torch.nonzero(holes)[0])
+        raise ValueError(
+            f"attention_mask row {row} has a 0 at position {col} between tokens: only padding (zeros at the "
+            "start and/or end of a row) is supported under sequence parallelism; pack documents with "
+            "position_ids restarting at 0 instead of masking inside a row"
+        )
+
+
+def _check_supported(module, query, key, attention_mask, kwargs) -> None:
     if query.shape[2] != key.shape[2]:
         raise ValueError(
             f"query length {query.shape[2]} != key length {key.shape[2]}: a KV cache (generation) "
             "is not supported under sequence parallelism; call the model with use_cache=False"
         )
-    if attention_mask is not None:
+    if attention_mask is not None and not isinstance(attention_mask, ShardedMask):
         raise ValueError(
-            "an explicit attention mask (4D or custom) is not supported under sequence "
-            "parallelism yet; pass attention_mask=None for plain causal LM inputs"
+            "an explicit attention mask (4D or custom) is not supported under sequence parallelism; pass a 2D "
+            "padding attention_mask (local_attention_mask from prepare_seq_parallel_inputs), packed position_ids, "
+            "or neither"
         )
     if not getattr(module, "is_causal", True):
         raise ValueError("non-causal attention is not supported under sequence parallelism yet")
@@ -120,27 +160,29 @@ def _check_supported(module, query, key, attention_mask, kwargs, rank, size, lay
             f"attention dropout {dropout} is not supported under sequence parallelism; "
             "set config.attention_dropout=0.0 (or call model.eval())"
         )
-    window = kwargs.get("sliding_window")
-    global_len = query.shape[2] * size
-    if window is not None and window < global_len:
-        raise ValueError(
-            f"sliding_window={window} is shorter than the sequence ({global_len} tokens): "
-            "windowed attention is not supported under sequence parallelism yet; use sequences "
-            f"of at most {window} tokens or set config.sliding_window=None (full attention)"
-        )
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None and getattr(module, "layer_idx", 0) in (0, None):
-        _check_positions(position_ids, layout, rank, size)
 
 
 # ------------------------------------------------------------------ dispatchers
 def _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs):
     groups = _active.groups()
-    topology = groups.topology
-    layout = _active.mode.layout(topology)
-    _check_supported(module, query, key, attention_mask, kwargs, groups.sp_rank, topology.sp_size, layout)
+    layout = _active.mode.layout(groups.topology)
+    _check_supported(module, query, key, attention_mask, kwargs)
+    sharded = attention_mask if attention_mask is not None else ShardedMask(None)
+    mask = sharded.resolve(kwargs.get("position_ids"), groups, layout).with_window(kwargs.get("sliding_window"))
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
-    out = _active.mode.attention(query, key, value, scale, groups, layer=module)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # RoPE returns fp32 q/k under autocast while v comes out of a bf16 matmul: run the
+        # attention in the autocast dtype, as SDPA would, with autocast off inside our kernels
+        # (their fp32 accumulation must stay fp32).
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+        with torch.autocast(device_type, enabled=False):
+            out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask)
+    else:
+        if not query.dtype == key.dtype == value.dtype:
+            raise ValueError(f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}) outside autocast")
+        out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask)
     return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
 
 
@@ -183,16 +225,8 @@ def _make_mask_dispatcher(name, original):
             return original(*args, **kwargs)
         if name not in SUPPORTED_IMPLEMENTATIONS:
             _refuse_implementation(name)
-        padding = kwargs.get("attention_mask")
-        if padding is not None:
-            # Every rank of the group takes part, so a mask with zeros on one shard only
-            # stops all of them instead of leaving the others waiting in a collective.
-            _raise_on_every_rank(
-                bool(padding.all()),
-                "a padding attention_mask (zeros present) is not supported under sequence "
-                "parallelism yet; pack or trim rows to full length, or drop the mask",
-            )
-        return None  # causal attention over the whole sharded sequence needs no mask
+        # Resolved at the first attention call, where the position_ids are known.
+        return ShardedMask(kwargs.get("attention_mask"))
 
     mask.__name__ = f"easy_context_{name}_mask"
     return mask

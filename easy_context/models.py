@@ -40,10 +40,6 @@ def check_config(config, topology, seq_length: int, mode: str) -> None:
     value and what would work) rather than from inside it."""
     if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         raise ValueError(f"the model has attention_dropout={config.attention_dropout}; sequence parallelism needs 0.0")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < seq_length:
-        raise ValueError(f"the model's sliding_window={window} is shorter than the sequence length {seq_length}; "
-                         f"use sequences of at most {window} tokens or a model without a window")
     heads = config.num_attention_heads
     if heads % topology.ulysses_degree:
         raise ValueError(f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "

@@ -5,15 +5,26 @@ with it the whole distributed attention forward (kernels and communication). Its
 is already known: we keep each layer's attention output and log-sum-exp from the first
 forward and hand them back when the forward is re-run inside the backward pass.
 
-Entries are keyed by the HF attention module and checked against a fingerprint of q/k/v,
-so a re-run with different inputs (or a layer used twice) computes afresh instead of
-returning a stale result. Without checkpointing the entry holds the very tensors autograd
-saves anyway and the backward drops it, so it costs no memory.
+Hit or miss is decided from the order of calls alone (a re-run takes the layer's latest
+entry), never from the values of q/k/v. Every rank makes the same calls in the same order,
+so every rank decides the same way by construction: a recomputation that is not
+bit-identical on one rank (non-deterministic GPU kernels) cannot send one rank into the
+distributed forward while its peers skip it. The original node's backward then checks
+that the entry its re-run received was its own (tags); if not (a second forward ran in
+between), it recomputes the attention, again on every rank alike.
+
+Reentrant checkpointing runs the first forward without grad and leaves no original node
+to check. There, while two such forwards of a layer await their backward (a training-mode
+forward that is never back-propagated), which of them a re-run belongs to is unknown: the
+layer stops reusing until then and recomputes (always correct). Use model.eval() for
+forwards without a backward. Without checkpointing the entry holds tensors autograd saves
+anyway and the backward drops it, so it costs no memory.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import weakref
 
 import torch
@@ -26,42 +37,51 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _fingerprint(q, k, v) -> torch.Tensor:
-    # Compared bit for bit (as integers), so a NaN/inf fingerprint still matches its
-    # recomputation and every rank takes the same path through the distributed schedule.
-    return torch.stack([x.detach().float().sum() for x in (q, k, v)]).view(torch.int32)
-
-
 class AttentionOutputCache:
     def __init__(self, per_layer: int = 1):
-        # At most `per_layer` outputs per layer: bounds what a forward that is never
-        # followed by a backward (model.train() under no_grad) can leave behind. One is
-        # enough for forward/backward alternation, gradient accumulation included; a miss
-        # only costs a recomputation.
-        self._entries = weakref.WeakKeyDictionary()
+        # At most `per_layer` outputs per layer: bounds what forwards that are never followed
+        # by a backward can leave behind. One is enough for forward/backward alternation,
+        # gradient accumulation included; a miss only costs a recomputation.
+        self._entries = weakref.WeakKeyDictionary()  # layer -> deque of (tag, out, lse)
+        self._served = weakref.WeakKeyDictionary()  # layer -> tag of the entry its last re-run took
+        self._waiting = weakref.WeakKeyDictionary()  # layer -> no-grad forwards awaiting a re-run
         self._per_layer = per_layer
+        self._tags = itertools.count()
 
-    def put(self, layer, q, k, v, out, lse):
-        entry = (_fingerprint(q, k, v), out.detach(), lse.detach())
-        self._entries.setdefault(layer, collections.deque(maxlen=self._per_layer)).append(entry)
-        return entry
+    def put(self, layer, out, lse, graph: bool):
+        """Store a training forward's output; `graph`: the forward records a graph (grad on at
+        the call). Returns the entry's tag, or None when nothing was stored."""
+        if not graph:  # reentrant checkpointing's first forward, or a forward never back-propagated
+            waiting = self._waiting.get(layer, 0) + 1
+            self._waiting[layer] = waiting
+            if waiting > 1:
+                self._entries.pop(layer, None)
+                return None
+        tag = next(self._tags)
+        self._entries.setdefault(layer, collections.deque(maxlen=self._per_layer)).append((tag, out.detach(), lse.detach()))
+        return tag
 
-    def take(self, layer, q, k, v):
-        """The (out, lse) stored for these inputs, removed from the cache; None if absent."""
+    def take(self, layer):
+        """The latest (out, lse) stored for `layer`, removed from the cache; None if absent."""
+        waiting = self._waiting.get(layer, 0)
+        if waiting:
+            self._waiting[layer] = waiting - 1
         entries = self._entries.get(layer)
-        if not entries:
+        if not entries or waiting > 1:
+            self._served.pop(layer, None)
             return None
-        fingerprint = _fingerprint(q, k, v)
-        for i, entry in enumerate(entries):
-            if torch.equal(entry[0], fingerprint):
-                del entries[i]
-                return entry[1], entry[2]
-        return None
+        tag, out, lse = entries.pop()
+        self._served[layer] = tag
+        return out, lse
 
-    def discard(self, layer, entry) -> None:
+    def served(self, layer):
+        """Tag of the entry the layer's last re-run received (None: it computed afresh); cleared."""
+        return self._served.pop(layer, None)
+
+    def discard(self, layer, tag) -> None:
         entries = self._entries.get(layer, ())
-        for i, candidate in enumerate(entries):
-            if candidate is entry:
+        for i, entry in enumerate(entries):
+            if entry[0] == tag:
                 del entries[i]
                 return
 

@@ -1,149 +1,248 @@
 """The ring core: exact attention over a sequence sharded across a process group.
 
-K/V blocks travel around the ring (rank i sends to i+1) while the block in hand is being
-computed. Which (query rows x key rows) products a rank computes at each step is the only
-thing that differs between ring layouts; a mode supplies it as a `RingPlan`. Everything
-else (communication, log-sum-exp merging, the backward) lives here once.
+At step t every rank works with the K/V of the rank t places before it. Which (query rows x
+key rows) products a rank computes at each step is the only thing that differs between
+layouts and masks; a `RingPlan` supplies it. Communication, log-sum-exp merging and the
+backward live here once.
 
-Backward: K/V rotate again in the same direction and each block's dK/dV accumulator (fp32)
-travels with it, one step behind, so after P steps every rank holds the complete gradient
-of its own K/V. Nothing is ever gathered on one rank.
+Communication is a direct exchange per step: a rank sends its own K/V to the rank t places
+after it, while the current step computes. A step no rank has work for is skipped, and a
+rank with no work at a step receives nothing (packed documents and sliding windows leave
+most steps of a long ring empty; every rank decides this from the same plan, so no rank
+waits on a message that never comes). Without masks every step is needed and this moves
+exactly what a ring relay moves.
+
+Backward: the same K/V exchange again; the dK/dV of each borrowed K/V block (fp32) goes
+straight back to its owner, one step behind the compute. Nothing is ever gathered on one
+rank.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .kernels import accumulation_dtype, attention_backward, attention_forward, select_backend
-from .p2p import Pending, exchange
+from .masking import FULL_ROWS, Block, SequenceMask
+from .p2p import Pending, buffer_like, exchange
 
-__all__ = ["Block", "RingPlan", "RingComm", "ring_attention", "merge_block"]
-
-
-class Block(NamedTuple):
-    """One kernel call: local query rows `q` attend to rows `kv` of the K/V block in hand."""
-
-    q: slice
-    kv: slice
-    causal: bool
+__all__ = ["Block", "RingPlan", "MaskedRingPlan", "ring_attention", "merge_block", "forward_blocks", "backward_blocks", "Kernels"]
 
 
 class RingPlan(Protocol):
+    masked: bool  # whether some rows may have no allowed key in a block (lse = -inf)
+
     def blocks(self, step: int, rank: int, size: int, q_len: int, kv_len: int) -> Sequence[Block]:
-        """Blocks to compute at `step`, while holding the K/V of rank (rank - step) % size.
+        """Blocks to compute at `step`, while holding the K/V of rank (rank - step) % size."""
 
-        Step 0 (own K/V) must start with a block that covers every local query row.
-        """
+    def needs(self, step: int, rank: int, size: int) -> bool:
+        """Whether `rank` computes anything with the K/V of rank (rank - step) % size."""
 
 
-class RingComm:
-    """Exchange with both ring neighbours of `group`: send to rank+1, receive from rank-1.
+class MaskedRingPlan:
+    """Blocks of any layout under a SequenceMask: `index_of(rank)` gives the global positions
+    of a rank's rows; `name` (hashable) identifies the layout for the mask's plan cache."""
 
-    Every rank issues the same sequence of `start` calls, so the k-th message a rank sends
-    to its successor is matched by the successor's k-th receive.
-    """
+    masked = True
 
-    def __init__(self, group):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+    def __init__(self, mask: SequenceMask, index_of: Callable[[int], torch.Tensor], name, device):
+        self.mask, self.index_of, self.name, self.device = mask, index_of, name, device
 
-    def start(self, tensors: Sequence[torch.Tensor]) -> Pending:
-        following, preceding = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        return exchange(
-            self.group,
-            [(following, t) for t in tensors],
-            [(preceding, torch.empty_like(t, memory_format=torch.contiguous_format)) for t in tensors],
-        )
+    def blocks(self, step, rank, size, q_len, kv_len):
+        source = (rank - step) % size
+        return self.mask.blocks((self.name, rank, source), self.index_of(rank), self.index_of(source), self.device)
+
+    def needs(self, step, rank, size):
+        source = (rank - step) % size
+        key = ("needs", self.name, rank, source)
+        cache = self.mask._plans
+        if key not in cache:
+            cache[key] = self.mask.allowed_pairs(self.index_of(rank), self.index_of(source)) > 0
+        return cache[key]
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's (out, lse) into running fp32 accumulators, in place.
 
-    Stable form of out = (e^lse out + e^block_lse block_out) / (e^lse + e^block_lse):
-    no exponent of a raw log-sum-exp is ever taken.
+    out = (e^lse out + e^block_lse block_out) / (e^lse + e^block_lse), written as a lerp with
+    weight sigmoid(block_lse - lse): no exponent of a raw log-sum-exp is taken. Rows without
+    any key so far or in this block have lse = -inf; the NaN of (-inf) - (-inf) means
+    "nothing on either side" and becomes weight 0.
     """
-    weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
-    out.sub_(weight * (out - block_out.to(out.dtype)))
-    lse.sub_(F.logsigmoid(lse - block_lse))
+    weight = torch.sigmoid(block_lse - lse).nan_to_num_(0.0).unsqueeze(-1)
+    torch.logaddexp(lse, block_lse, out=lse)
+    out.lerp_(block_out.to(out.dtype), weight)
 
 
-def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
-    return x[:, :, rows]
+def _part(x: torch.Tensor, block: Block, rows: slice) -> torch.Tensor:
+    return x[block.batch, :, rows]
+
+
+class Kernels:
+    """The backends for one attention call: plain blocks and masked blocks."""
+
+    def __init__(self, q, masked: bool):
+        self.plain = select_backend(q)
+        self.masked = select_backend(q, masked=True) if masked else None
+
+    def __call__(self, block: Block):
+        return self.masked if block.mask is not None else self.plain
+
+
+def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, state=None):
+    """Attention of q's rows over `blocks` of k/v, merged into state = (out, lse) (fp32 from
+    the first merge on); returns the new state. Rows no block reaches have out 0, lse -inf."""
+    out, lse = state if state is not None else (None, None)
+    acc = accumulation_dtype(q.dtype)
+    for block in blocks:
+        block_out, block_lse = attention_forward(
+            _part(q, block, block.q), _part(k, block, block.kv), _part(v, block, block.kv),
+            block.causal, scale, kernels(block), mask=block.mask,
+        )
+        if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
+            out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
+            continue
+        if out is None:
+            out, lse = _empty_state(q, acc)
+        elif out.dtype != acc:  # the first merge: accumulate in fp32 from here on
+            out, lse = out.to(acc), lse.to(acc)
+        merge_block(_part(out, block, block.q), lse[block.batch, :, block.q], block_out, block_lse)
+    return (out, lse) if out is not None else None
+
+
+def _empty_state(q, acc):
+    return torch.zeros_like(q, dtype=acc), torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+
+
+def finish_forward(q, state):
+    out, lse = state if state is not None else _empty_state(q, accumulation_dtype(q.dtype))
+    return out.to(q.dtype), lse
+
+
+def _accumulate(total, block: Block, rows: slice, block_grad, like, acc):
+    """total[rows] += block_grad, where a missing total starts as the block gradient itself
+    when the block covers every row (no zero-filled buffer, no copy in fp32)."""
+    if total is None:
+        if rows == FULL_ROWS and block.batch == FULL_ROWS:
+            return block_grad.to(acc)
+        total = torch.zeros_like(like, dtype=acc)
+    _part(total, block, rows).add_(block_grad)
+    return total
+
+
+def backward_blocks(dout, q, k, v, out, lse, blocks: Sequence[Block], scale, kernels: Kernels, grads=(None, None, None)):
+    """Gradients of forward_blocks given the global out/lse of q's rows, added to grads =
+    (dq, dk, dv) fp32 accumulators (None: not started); returns the new grads."""
+    dq, dk, dv = grads
+    acc = accumulation_dtype(q.dtype)
+    for block in blocks:
+        rows = block.q
+        block_dq, block_dk, block_dv = attention_backward(
+            _part(dout, block, rows), _part(q, block, rows), _part(k, block, block.kv), _part(v, block, block.kv),
+            _part(out, block, rows), lse[block.batch, :, rows], block.causal, scale, kernels(block), mask=block.mask,
+        )
+        dq = _accumulate(dq, block, rows, block_dq, q, acc)
+        dk = _accumulate(dk, block, block.kv, block_dk, k, acc)
+        dv = _accumulate(dv, block, block.kv, block_dv, v, acc)
+        del block_dq, block_dk, block_dv
+    return dq, dk, dv
+
+
+def safe_lse(lse: torch.Tensor, masked: bool) -> torch.Tensor:
+    """Rows that attend nothing (padding) have lse -inf; the backward sees 0 there, so they get
+    no gradient and no NaN from (-inf) - (-inf)."""
+    return lse.masked_fill(lse == float("-inf"), 0.0) if masked else lse
+
+
+def _steps(plan, size) -> list[int]:
+    """Steps after the first that some rank has work for (the same list on every rank)."""
+    return [t for t in range(1, size) if any(plan.needs(t, r, size) for r in range(size))]
+
+
+def _fetch_kv(comm, plan, step, k, v) -> Pending:
+    """My K/V to the rank `step` after me if it needs it; the K/V of the rank `step` before me
+    if I need it (else the result is empty)."""
+    rank, size = comm.rank, comm.size
+    target, source = (rank + step) % size, (rank - step) % size
+    sends = [(target, t, t) for t in (k, v)] if plan.needs(step, target, size) else []
+    recvs = [(source, buffer_like(t)) for t in (k, v)] if plan.needs(step, rank, size) else []
+    return exchange(comm.group, sends, recvs)
+
+
+class RingComm:
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
 
 
 def _ring_forward(q, k, v, scale, plan, comm):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
-    backend = select_backend(q)
-    acc = accumulation_dtype(q.dtype)
-    out = lse = None
-    kv = [k, v]
-    for step in range(size):
-        pending = comm.start(kv) if step + 1 < size else None
-        for block in plan.blocks(step, rank, size, q.shape[2], k.shape[2]):
-            block_out, block_lse = attention_forward(
-                _rows(q, block.q), _rows(kv[0], block.kv), _rows(kv[1], block.kv), block.causal, scale, backend
-            )
-            if out is None:
-                assert block.q == slice(None), "a plan must start with a block covering all rows"
-                out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
-            else:
-                if out.dtype != acc:  # the first merge: accumulate in fp32 from here on
-                    out, lse = out.to(acc), lse.to(acc)
-                merge_block(_rows(out, block.q), lse[:, :, block.q], block_out, block_lse)
-        if pending is not None:
-            kv = pending.wait()
-    return out.to(q.dtype), lse
-
-
-def _accumulate(total, rows: slice, block_grad, like, acc):
-    """total[rows] += block_grad, where a missing total starts as the block gradient itself
-    when the block covers every row (no zero-filled buffer, no copy in fp32)."""
-    if total is None:
-        if rows == slice(None):
-            return block_grad.to(acc)
-        total = torch.zeros_like(like, dtype=acc)
-    _rows(total, rows).add_(block_grad)
-    return total
+    kernels = Kernels(q, plan.masked)
+    state = None
+    steps = _steps(plan, size) if comm else []
+    pending = _fetch_kv(comm, plan, steps[0], k, v) if steps else None
+    for i, step in enumerate([0] + steps):
+        kv = [k, v]
+        if step:
+            kv, pending = pending.wait(), (_fetch_kv(comm, plan, steps[i], k, v) if i < len(steps) else None)
+        if plan.needs(step, rank, size):
+            blocks = plan.blocks(step, rank, size, q.shape[2], k.shape[2])
+            state = forward_blocks(q, kv[0], kv[1], blocks, scale, kernels, state)
+    return finish_forward(q, state)
 
 
 def _ring_backward(dout, q, k, v, out, lse, scale, plan, comm):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
-    backend = select_backend(q)
-    acc = accumulation_dtype(q.dtype)
-    dq = None
-    kv, pending_kv, pending_dkv = [k, v], None, None
-    for step in range(size):
-        if step + 1 < size:
-            pending_kv = comm.start(kv)
+    kernels = Kernels(q, plan.masked)
+    lse = safe_lse(lse, plan.masked)
+    steps = _steps(plan, size) if comm else []
+    pending = _fetch_kv(comm, plan, steps[0], k, v) if steps else None
+    dq = own_dk = own_dv = None
+    returning = None  # the previous step's dK/dV exchange
+    for i, step in enumerate([0] + steps):
+        kv = [k, v]
+        if step:
+            kv, pending = pending.wait(), (_fetch_kv(comm, plan, steps[i], k, v) if i < len(steps) else None)
         dk = dv = None
-        for block in plan.blocks(step, rank, size, q.shape[2], k.shape[2]):
-            rows = block.q
-            block_dq, block_dk, block_dv = attention_backward(
-                _rows(dout, rows), _rows(q, rows), _rows(kv[0], block.kv), _rows(kv[1], block.kv),
-                _rows(out, rows), lse[:, :, rows], block.causal, scale, backend,
-            )
-            dq = _accumulate(dq, rows, block_dq, q, acc)
-            dk = _accumulate(dk, block.kv, block_dk, k, acc)
-            dv = _accumulate(dv, block.kv, block_dv, v, acc)
-            del block_dq, block_dk, block_dv
-        if pending_dkv is not None:  # what the ranks before us added for this K/V block
-            earlier_dk, earlier_dv = pending_dkv.wait()
-            dk.add_(earlier_dk)
-            dv.add_(earlier_dv)
-            del earlier_dk, earlier_dv
-        if comm is None:
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        # After the last step this goes to the block's owner, complete.
-        pending_dkv = comm.start([dk, dv])
-        if pending_kv is not None:
-            kv, pending_kv = pending_kv.wait(), None
-    dk, dv = pending_dkv.wait()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if plan.needs(step, rank, size):
+            blocks = plan.blocks(step, rank, size, q.shape[2], k.shape[2])
+            dq, dk, dv = backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, scale, kernels, (dq, None, None))
+        if step == 0:
+            own_dk, own_dv = dk, dv
+            continue
+        if returning is not None:
+            own_dk, own_dv = _add_returned(returning, own_dk, own_dv)
+        returning = _return_dkv(comm, plan, step, dk, dv, k, accumulation_dtype(q.dtype))
+    if returning is not None:
+        own_dk, own_dv = _add_returned(returning, own_dk, own_dv)
+    dq = torch.zeros_like(q) if dq is None else dq
+    own_dk = torch.zeros_like(k) if own_dk is None else own_dk
+    own_dv = torch.zeros_like(v) if own_dv is None else own_dv
+    return dq.to(q.dtype), own_dk.to(k.dtype), own_dv.to(v.dtype)
+
+
+def _return_dkv(comm, plan, step, dk, dv, k, acc) -> Pending:
+    """dK/dV of the borrowed K/V back to its owner (the rank `step` before me); the dK/dV of my
+    K/V from the rank `step` after me, if it used them."""
+    rank, size = comm.rank, comm.size
+    source, target = (rank - step) % size, (rank + step) % size
+    sends = []
+    if dk is not None:  # I had work with the borrowed K/V
+        sends = [(source, dk, k), (source, dv, k)]
+    recvs = [(target, buffer_like(k, acc)) for _ in range(2)] if plan.needs(step, target, size) else []
+    return exchange(comm.group, sends, recvs)
+
+
+def _add_returned(pending: Pending, own_dk, own_dv):
+    received = pending.wait()
+    if received:
+        returned_dk, returned_dv = received
+        own_dk = returned_dk if own_dk is None else own_dk.add_(returned_dk)
+        own_dv = returned_dv if own_dv is None else own_dv.add_(returned_dv)
+    return own_dk, own_dv
 
 
 class _RingAttention(torch.autograd.Function):
@@ -157,7 +256,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.plan, ctx.comm)
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.plan, ctx.comm)
         return dq, dk, dv, None, None, None
 
 

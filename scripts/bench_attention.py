@@ -1,19 +1,41 @@
 #!/usr/bin/env python
-"""Benchmark ONE causal attention layer, forward + backward, under sequence parallelism on CPU.
+"""Benchmark ONE attention layer (causal or masked), forward + backward, under sequence parallelism on CPU.
 
-Side by side, in one run, for every sequence length and world size asked for:
+Side by side, in one run, for every mask, sequence length and world size asked for:
 
   baseline            one process, 2 threads, the whole sequence through
                       torch.nn.functional.scaled_dot_product_attention (is_causal, enable_gqa)
+                      (causal mask only)
   <easy_context mode> P spawned processes over gloo (file:// rendezvous), one per rank,
                       max(1, 2 // P) threads each, each holding its shard of q/k/v in the
                       mode's own layout and calling the mode's attention exactly as
-                      easy_context.hf does: get_mode(name).attention(q, k, v, scale, groups).
-                      Every mode in easy_context.BUILT_MODES except data_parallel; modes added
-                      later are picked up automatically.
+                      easy_context.hf does: get_mode(name).attention(q, k, v, scale, groups,
+                      mask=...). Every mode in easy_context.BUILT_MODES except data_parallel;
+                      modes added later are picked up automatically.
   deepspeed_ulysses   DeepSpeed's own HF Ulysses (UlyssesSPAttentionHF) at the same P on a
                       gloo group, torch SDPA as its inner attention (when deepspeed is missing
-                      or fails, its row says why instead)
+                      or fails, its row says why instead) (causal mask only: it cannot take
+                      easy_context's masks)
+
+Masks (--masks, comma separated; default causal). Each is an easy_context.masking.SequenceMask
+over the whole sequence (SequenceMask.from_positions(position_ids).with_window(w), documents
+packed back to back, position_ids restarting at 0 at each document start), built on every rank
+before the steps; the modes skip the work it rules out (blocks, ring steps, transfers):
+
+  causal              one document, plain causal attention: today's rows (the modes get mask=None)
+  packed-<n>          S/n documents of n tokens each (packed-1k: n = 1024; a shorter last one
+                      when n does not divide S)
+  long-tail           log-normal document lengths, scripts/mask_balance.py's
+                      long_tailed_lengths(S, random.Random(--seed))
+  window-<n>          one document, sliding window of n keys (window-1k: n = 1024)
+
+Every row has mask and allowed_ratio: allowed (query, key) pairs / the causal S(S+1)/2 per
+batch row (1 for causal). A masked mode's row has no speed-up, efficiency or analytic traffic
+(those describe the causal algorithm against the causal baseline); instead, after the main
+table, a summary compares each masked row with the same mode's causal row at the same S and P:
+time ratio against the ideal ratio allowed_ratio, and the saving achieved (1 - time ratio)
+against the ideal saving (1 - allowed_ratio). The mask's kernel-call plan is built during the
+warm-up step (in a model one plan serves every layer), so it is not in the measured time.
 
 Every configuration runs in fresh processes (unless --shared-processes), so memory numbers
 do not leak between configurations. Measured per configuration:
@@ -33,9 +55,15 @@ do not leak between configurations. Measured per configuration:
               (/proc/stat minus the ranks' own rusage); over 10% of the cores flags the row
               (and --retry-busy measures it again)
 
+--check compares every row with SDPA on the whole sequence; a masked row with SDPA given the
+dense boolean mask of the same rule (query i attends key j iff first_key[i] <= j <= i and
+i - j < window), built from the document lengths, not from SequenceMask (small S only).
+
 Usage:
   python scripts/bench_attention.py --seq-len 4096,8192,16384 --csv out.csv --plot out.png
-  python scripts/bench_attention.py --smoke     # S=256, 1 step, checks vs SDPA; 15-30 s
+  python scripts/bench_attention.py --seq-len 16384 --masks causal,packed-1k,long-tail,window-1k
+  python scripts/bench_attention.py --smoke        # S=256, 1 step, checks vs SDPA; 15-30 s
+  python scripts/bench_attention.py --smoke-masks  # S=256, P=2, every kind of mask, checks; ~30 s
 """
 
 from __future__ import annotations
@@ -66,38 +94,49 @@ MiB = 1024 * 1024
 
 
 # ----------------------------------------------------------------------------------- modes
-def probe(want_deepspeed: bool):
-    """(easy_context's sequence-parallel modes, why deepspeed cannot run or None), found in
-    a throwaway child so that the driver never imports torch."""
+def probe(want_deepspeed: bool, masks=(), seq_lens=(), seed=0):
+    """(easy_context's sequence-parallel modes, why deepspeed cannot run or None,
+    {(mask, S): allowed_ratio}), found in a throwaway child so that the driver never
+    imports torch."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_probe, args=(q, want_deepspeed))
+    p = ctx.Process(target=_probe, args=(q, want_deepspeed, list(masks), list(seq_lens), seed))
     p.start()
     try:
-        modes, ds_problem = q.get(timeout=300)
+        modes, ds_problem, ratios = q.get(timeout=300)
     except queue_module.Empty:
-        modes, ds_problem = "probe timed out", "probe timed out"
+        modes, ds_problem, ratios = "probe timed out", "probe timed out", {}
     p.join(30)
     if p.is_alive():
         p.kill()
     if isinstance(modes, str):
         raise SystemExit(f"cannot import easy_context: {modes}")
-    return [m for m in modes if m != "data_parallel"], ds_problem
+    if isinstance(ratios, str):
+        raise SystemExit(f"cannot build the masks: {ratios}")
+    return [m for m in modes if m != "data_parallel"], ds_problem, ratios
 
 
-def _probe(q, want_deepspeed):
+def _probe(q, want_deepspeed, masks, seq_lens, seed):
     sys.path.insert(0, REPO_ROOT)
     os.environ["DS_ACCELERATOR"] = "cpu"
     try:
         modes = list(import_easy_context_modes()[0].BUILT_MODES)
     except Exception as exc:
         modes = f"{type(exc).__name__}: {exc}"
+    ratios = {}
+    if not isinstance(modes, str):
+        try:
+            for name in masks:
+                for S in seq_lens:
+                    ratios[(name, S)] = allowed_ratio(name, S, seed)
+        except Exception as exc:
+            ratios = f"{type(exc).__name__}: {exc}"
     ds_problem = None
     # Only whether it is installed: importing it here would cost seconds; an import that
     # fails later is reported in deepspeed's own row (it always runs last).
     if want_deepspeed and importlib.util.find_spec("deepspeed") is None:
         ds_problem = "deepspeed is not installed (see docs/benchmarks.md for the CPU install)"
-    q.put((modes, ds_problem))
+    q.put((modes, ds_problem, ratios))
 
 
 def import_easy_context_modes():
@@ -118,6 +157,86 @@ def import_easy_context_modes():
                 for name in [n for n in sys.modules if n == "easy_context" or n.startswith("easy_context.")]:
                     del sys.modules[name]
     return importlib.import_module("easy_context.modes"), importlib.import_module("easy_context.process_groups")
+
+
+# ----------------------------------------------------------------------------------- masks
+CAUSAL = "causal"
+MASK_HELP = ("causal, packed-<n> (S/n documents of n tokens), long-tail (log-normal document lengths), "
+             "window-<n> (one document, sliding window n); n may end in k (x1024), e.g. packed-1k")
+
+
+def parse_mask(name: str):
+    """(kind, n) for a --masks name; kind in causal, packed, long-tail, window. No torch here:
+    the driver checks the names before anything runs."""
+    if name in (CAUSAL, "long-tail"):
+        return name, None
+    kind, _, size = name.partition("-")
+    if kind in ("packed", "window") and size:
+        n = size[:-1] if size.endswith("k") else size
+        if n.isdigit() and int(n) > 0:
+            return kind, int(n) * (1024 if size.endswith("k") else 1)
+    raise ValueError(f"unknown mask {name!r}; choose from {MASK_HELP}")
+
+
+def _mask_balance():
+    """scripts/mask_balance.py as a module (its long_tailed_lengths and packed_mask)."""
+    if "_bench_mask_balance" not in sys.modules:
+        import_easy_context_modes()  # its `from easy_context...` imports then skip transformers
+        path = os.path.join(REPO_ROOT, "scripts", "mask_balance.py")
+        spec = importlib.util.spec_from_file_location("_bench_mask_balance", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["_bench_mask_balance"]
+
+
+def mask_documents(name: str, S: int, seed: int):
+    """(document lengths summing to S, sliding window or None) of a --masks name."""
+    kind, n = parse_mask(name)
+    if kind == "packed":
+        return [n] * (S // n) + ([S % n] if S % n else []), None
+    if kind == "long-tail":
+        import random
+
+        return _mask_balance().long_tailed_lengths(S, random.Random(seed)), None
+    return [S], (n if kind == "window" else None)
+
+
+def sequence_mask(name: str, S: int, B: int, seed: int):
+    """The SequenceMask the modes get for this mask (None for causal: today's call)."""
+    if name == CAUSAL:
+        return None
+    lengths, window = mask_documents(name, S, seed)
+    mask_balance = _mask_balance()
+    mask = mask_balance.packed_mask(lengths)  # first_key (1, S)
+    if B > 1:  # the same documents in every batch row
+        mask = type(mask)(mask.first_key.expand(B, S).contiguous())
+    return mask.with_window(window)
+
+
+def allowed_ratio(name: str, S: int, seed: int) -> float:
+    """Allowed (query, key) pairs / causal pairs S(S+1)/2 of one batch row."""
+    if name == CAUSAL:
+        return 1.0
+    import torch
+
+    mask = sequence_mask(name, S, 1, seed)
+    index = torch.arange(S)
+    return mask.allowed_pairs(index, index) / (S * (S + 1) / 2)
+
+
+def dense_reference_mask(torch, name: str, S: int, seed: int):
+    """(S, S) bool, True = query i may attend key j: first_key[i] <= j <= i and i - j < window,
+    first_key from the document lengths (independent of SequenceMask); for --check."""
+    lengths, window = mask_documents(name, S, seed)
+    lengths = torch.tensor(lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    first_key = torch.repeat_interleave(starts, lengths)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    allowed = (first_key[:, None] <= j) & (j <= i)
+    if window is not None:
+        allowed &= (i - j) < window
+    return allowed
 
 
 # ------------------------------------------------------------------------ analytic comm
@@ -346,14 +465,16 @@ def _run_rank(torch, rank, world, spec, init_file):
             groups = process_groups.get_groups(topology)
             layout = mode.layout(topology)
             layout.check_length(S)
+            # over the whole sequence, identical on every rank; its plans are built in the warm-up
+            seq_mask = sequence_mask(spec["mask"], S, B, spec["seed"])
 
             def attend(q, k, v):
-                return mode.attention(q, k, v, scale, groups)
+                return mode.attention(q, k, v, scale, groups, mask=seq_mask)
 
             def shard(x):
                 return layout.shard(x, groups.sp_rank, dim=2)
 
-            if config == "dist_flash_attn":  # its analytic traffic depends on its schedule
+            if config == "dist_flash_attn" and spec["mask"] == CAUSAL:  # its analytic traffic depends on its schedule
                 try:
                     schedule = importlib.import_module("easy_context.dist_flash_attn.schedule")
                     analytic = dist_flash_comm_bytes(schedule.balanced_schedule(world), S, world, B, Hq, Hkv, D, spec["dtype"])
@@ -428,7 +549,12 @@ def _run_rank(torch, rank, world, spec, init_file):
         clear()
         out = step()
         ref_q, ref_k, ref_v = (x.detach().clone().requires_grad_() for x in (gq, gk, gv))
-        ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
+        if spec["mask"] == CAUSAL:
+            ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
+        else:  # the dense boolean mask of the same rule, on the whole sequence
+            dense = dense_reference_mask(torch, spec["mask"], S, spec["seed"])
+            ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, attn_mask=dense, scale=scale,
+                                                 enable_gqa=Hkv != Hq)
         ref.backward(gdout)
         if config == DEEPSPEED:
             out = out.reshape(B, S // world, Hq, D).transpose(1, 2)
@@ -442,7 +568,7 @@ def _run_rank(torch, rank, world, spec, init_file):
         worst = max(errors.values())
         result["check"] = f"max err {worst:.1e}"
         if not worst < tol:
-            raise AssertionError(f"{config} differs from SDPA on rank {rank}: {errors}")
+            raise AssertionError(f"{config} ({spec['mask']}) differs from SDPA on rank {rank}: {errors}")
 
     if dist is not None:
         dist.barrier()
@@ -571,6 +697,10 @@ def _int_list(text):
     return [int(x) for x in str(text).split(",") if x.strip()]
 
 
+SMOKE_MASKS = "causal,packed-64,long-tail,window-64"
+SMOKE_MASK_MODES = "zigzag_ring_attn,dist_flash_attn"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", default="8192", help="sequence length(s), comma separated (default 8192)")
@@ -582,8 +712,12 @@ def parse_args(argv=None):
     p.add_argument("--world-sizes", default="2", help="numbers of ranks P, comma separated (default 2)")
     p.add_argument("--modes", default="all",
                    help=f"comma list of {BASELINE}, easy_context mode names, {DEEPSPEED}; 'all' (default) = every one")
+    p.add_argument("--masks", default=None,
+                   help=f"attention masks, comma separated (default {CAUSAL}): {MASK_HELP}. The baseline and "
+                        f"{DEEPSPEED} run for {CAUSAL} only")
     p.add_argument("--iters", type=int, default=3, help="measured steps after one warm-up (default 3)")
-    p.add_argument("--check", action="store_true", help="after timing, compare outputs and gradients with SDPA on the whole sequence (fails the run on a mismatch)")
+    p.add_argument("--check", action="store_true", help="after timing, compare outputs and gradients with SDPA on the whole sequence (fails the run on a "
+                        "mismatch); a masked row's SDPA gets a dense S x S boolean mask: small S only")
     p.add_argument("--timeout", type=int, default=600, help="seconds per configuration before it is stopped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
@@ -602,27 +736,67 @@ def parse_args(argv=None):
                         "files replace the same config/S/P of earlier ones (e.g. a re-run on a quiet machine)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny run for CI: S=256, 1 iteration, --check, --shared-processes")
+    p.add_argument("--smoke-masks", action="store_true",
+                   help=f"tiny masked run for CI: as --smoke, with --masks {SMOKE_MASKS} and (unless given) "
+                        f"--modes {SMOKE_MASK_MODES}")
     args = p.parse_args(argv)
     args.seq_lens = _int_list(args.seq_len)
     args.world_sizes = _int_list(args.world_sizes)
-    if args.smoke:
+    if args.smoke or args.smoke_masks:
         args.seq_lens, args.iters, args.check, args.shared_processes = [256], 1, True, True
+    if args.smoke_masks:
+        args.masks = args.masks or SMOKE_MASKS
+        args.modes = SMOKE_MASK_MODES if args.modes == "all" else args.modes
+    args.masks = list(dict.fromkeys(m.strip() for m in (args.masks or CAUSAL).split(",") if m.strip()))
+    for name in args.masks:
+        try:
+            parse_mask(name)
+        except ValueError as exc:
+            p.error(str(exc))
     return args
+
+
+def _num(x, fmt):
+    return "" if x is None or x == "" else format(x, fmt)
 
 
 def format_table(rows):
     header = ["config", "S", "P", "time (s)", "speed-up", "efficiency", "peak MiB/rank",
-              "comm MiB/rank (analytic)", "comm MiB/rank (counted)", "notes"]
+              "comm MiB/rank (analytic)", "comm MiB/rank (counted)", "mask", "allowed ratio", "notes"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        def num(x, fmt):
-            return "" if x is None or x == "" else format(x, fmt)
-
         lines.append("| " + " | ".join([
-            r["config"], str(r["S"]), str(r["P"]), num(r["time_s"], ".3f"), num(r["speedup"], ".2f"),
-            num(r["efficiency"], ".2f"), r["peak_mib_per_rank"], num(r["comm_mib_analytic"], ".1f"),
-            num(r["comm_mib_counted"], ".1f"), r["notes"],
+            r["config"], str(r["S"]), str(r["P"]), _num(r["time_s"], ".3f"), _num(r["speedup"], ".2f"),
+            _num(r["efficiency"], ".2f"), r["peak_mib_per_rank"], _num(r["comm_mib_analytic"], ".1f"),
+            _num(r["comm_mib_counted"], ".1f"), r.get("mask") or CAUSAL, _num(r.get("allowed_ratio"), ".3f"),
+            r["notes"],
         ]) + " |")
+    return "\n".join(lines)
+
+
+def format_mask_summary(rows):
+    """Masked rows against the same mode's causal row (same S and P); "" when none was run."""
+    causal = {(r["config"], r["S"], r["P"]): r["time_s"] for r in rows
+              if (r.get("mask") or CAUSAL) == CAUSAL and r["time_s"]}
+    masked = [r for r in rows if (r.get("mask") or CAUSAL) != CAUSAL and r["time_s"]]
+    if not masked:
+        return ""
+    header = ["mode", "mask", "S", "P", "time s", "causal time s", "time ratio", "ideal ratio (allowed/causal)",
+              "saving achieved / ideal saving"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in masked:
+        ideal = r.get("allowed_ratio")
+        base = causal.get((r["config"], r["S"], r["P"]))
+        if base:
+            ratio = r["time_s"] / base
+            saving = f"{1 - ratio:.2f} / " + ("—" if ideal is None else f"{1 - ideal:.2f}")
+            if ideal is not None and 1 - ideal > 1e-9:
+                saving += f" ({(1 - ratio) / (1 - ideal):.0%})"
+            cells = [f"{base:.3f}", f"{ratio:.2f}", _num(ideal, ".3f") or "—", saving]
+        else:
+            cells = ["—", "—", _num(ideal, ".3f") or "—", "—"]
+        lines.append("| " + " | ".join([r["config"], r["mask"], str(r["S"]), str(r["P"]),
+                                         f"{r['time_s']:.3f}", *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -640,6 +814,8 @@ def plot(rows, path):
     for r in rows:
         if r["time_s"] not in (None, ""):
             label = r["config"] if r["config"] == BASELINE else f"{r['config']} (P={r['P']})"
+            if (r.get("mask") or CAUSAL) != CAUSAL:
+                label += f" {r['mask']}"
             series.setdefault(label, []).append((r["S"], r["time_s"], "BUSY" in (r.get("notes") or "")))
     any_busy = False
     for label, points in series.items():
@@ -658,7 +834,9 @@ def plot(rows, path):
     ax.set_yscale("log")
     ax.set_xlabel("sequence length S")
     ax.set_ylabel("fwd+bwd time (s), median")
-    ax.set_title("One attention layer fwd+bwd on CPU (gloo), 2 cores")
+    masks = sorted({r.get("mask") or CAUSAL for r in rows})
+    ax.set_title("One attention layer fwd+bwd on CPU (gloo), 2 cores"
+                 + ("" if masks == [CAUSAL] else f"; masks: {', '.join(masks)}"))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -667,33 +845,45 @@ def plot(rows, path):
 
 
 def rows_from_csv(paths):
-    """Rows of earlier runs; a row of a later file replaces the same (config, S, P) of an
-    earlier one. Speed-up and efficiency are recomputed against the baseline row of each S."""
+    """Rows of earlier runs; a row of a later file replaces the same (config, S, P, mask) of an
+    earlier one. Files from before masks were measured are causal rows. Speed-up and
+    efficiency are recomputed against the (causal) baseline row of each S, for causal rows."""
     merged = {}
     for path in paths:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 for key in ("S", "P", "threads_per_rank"):
                     row[key] = int(row[key])
+                row["mask"] = row.get("mask") or CAUSAL  # before allowed_ratio: the CSV's column order
                 for key in ("time_s", "speedup", "efficiency", "peak_mib_max", "comm_mib_analytic",
-                            "comm_mib_counted", "others_cpu_s"):
+                            "comm_mib_counted", "others_cpu_s", "allowed_ratio"):
                     row[key] = float(row[key]) if row.get(key) not in (None, "") else None
-                merged[(row["config"], row["S"], row["P"])] = row
+                if row["allowed_ratio"] is None and row["mask"] == CAUSAL:
+                    row["allowed_ratio"] = 1.0
+                merged[(row["config"], row["S"], row["P"], row["mask"])] = row
     rows = list(merged.values())
-    base = {r["S"]: r["time_s"] for r in rows if r["config"] == BASELINE and r["time_s"]}
+    base = {r["S"]: r["time_s"] for r in rows if r["config"] == BASELINE and r["mask"] == CAUSAL and r["time_s"]}
     for r in rows:
-        if r["time_s"] and r["S"] in base:
+        if r["time_s"] and r["S"] in base and r["mask"] == CAUSAL:
             cores = min(CPU_CORES, r["P"] * r["threads_per_rank"])
             r["speedup"] = base[r["S"]] / r["time_s"]
             r["efficiency"] = base[r["S"]] / (r["time_s"] * cores / CPU_CORES)
     order = {c: i for i, c in enumerate([BASELINE])}
-    rows.sort(key=lambda r: (r["S"], r["P"] if r["config"] != BASELINE else 0, order.get(r["config"], 1)))
+    masks = list(dict.fromkeys([CAUSAL] + [r["mask"] for r in rows]))
+    rows.sort(key=lambda r: (masks.index(r["mask"]), r["S"], r["P"] if r["config"] != BASELINE else 0,
+                             order.get(r["config"], 1)))
     return rows
 
 
 def write_outputs(rows, args, seq_lens):
     print()
     print(format_table(rows))
+    summary = format_mask_summary(rows)
+    if summary:
+        print()
+        print("masked rows against the same mode's causal row (same S, P): saving = 1 - time / causal time, "
+              "ideal saving = 1 - allowed ratio")
+        print(summary)
     if args.csv:
         fields = list(dict.fromkeys(k for r in rows for k in r))
         with open(args.csv, "w", newline="") as f:
@@ -718,7 +908,8 @@ def main(argv=None):
     if args.exact_memory:  # read by glibc when each spawned rank starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     wanted_names = None if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
-    mine, ds_problem = probe(wanted_names is None or DEEPSPEED in wanted_names)
+    mine, ds_problem, ratios = probe(wanted_names is None or DEEPSPEED in wanted_names,
+                                     args.masks, args.seq_lens, args.seed)
     known = [BASELINE, *mine, DEEPSPEED]
     wanted = known if wanted_names is None else wanted_names
     wanted = [m for m in wanted if m != DEEPSPEED] + [m for m in wanted if m == DEEPSPEED]  # DeepSpeed last
@@ -728,53 +919,85 @@ def main(argv=None):
 
     shape = dict(B=args.batch, Hq=args.heads, Hkv=args.kv_heads, D=args.head_dim, dtype=args.dtype)
     print(f"# one attention layer fwd+bwd: B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
-          f"{args.dtype}, causal; {args.iters} measured iters after 1 warm-up; modes: {wanted}"
+          f"{args.dtype}; masks: {args.masks}; {args.iters} measured iters after 1 warm-up; modes: {wanted}"
           + ("; configurations share processes" if args.shared_processes else "")
           + ("; --exact-memory" if args.exact_memory else ""), flush=True)
+    if any(m != CAUSAL for m in args.masks) and {BASELINE, DEEPSPEED} & set(wanted):
+        print(f"# {BASELINE} and {DEEPSPEED} run for the {CAUSAL} mask only", flush=True)
     rows = []
-    for S in args.seq_lens:
-        base_time = None
-        groups = [(1, [BASELINE])] if BASELINE in wanted else []
-        for P in args.world_sizes:
-            parallel = [m for m in wanted if m != BASELINE and not (m == DEEPSPEED and ds_problem)]
-            groups += [(P, parallel)] if args.shared_processes else [(P, [m]) for m in parallel]
-            if DEEPSPEED in wanted and ds_problem:
-                groups.append((P, [DEEPSPEED]))
-        for P, configs in groups:
-            specs = [dict(config=c, S=S, iters=args.iters, check=args.check, seed=args.seed,
-                          threads=CPU_CORES if c == BASELINE else max(1, CPU_CORES // P), **shape)
-                     for c in configs]
-            if not configs:
-                continue
-            for attempt in range(1 + args.retry_busy):
-                if args.wait_idle:
-                    _wait_for_idle(args.wait_idle)
-                t0, load = time.time(), _load_average()
-                if configs == [DEEPSPEED] and ds_problem:
-                    results = [{"error": ds_problem}]
-                    break
-                results = run_group(specs, P, args.timeout)
-                busy = [r for r in results if _busy(r)]
-                if not busy or attempt == args.retry_busy:
-                    break
-                print(f"  other processes used {busy[0]['others_cpu_s']:.0f} CPU-s during {configs}: "
-                      "measuring again", flush=True)
-            for spec, res in zip(specs, results):
-                print(f"  {spec['config']:>18} S={S} P={P}: "
-                      + (f"{res['time']:.3f} s" if "error" not in res else f"FAILED ({res['error']})")
-                      + (f"  [{time.time() - t0:.0f} s wall]" if len(specs) == 1 else ""), flush=True)
-                if spec["config"] == BASELINE and "error" not in res:
-                    base_time = res["time"]
-                rows.append(make_row(spec, P, res, base_time, args))
-                rows[-1]["load_avg_before"] = round(load, 2)
-            if len(specs) > 1:
-                print(f"  [{time.time() - t0:.0f} s wall for these {len(specs)}]", flush=True)
+    base_times = {}  # S -> the causal baseline's time
+    for S, P, work in _groups(args, wanted, ds_problem):
+        configs = [c for c, _ in work]
+        specs = [dict(config=c, S=S, mask=mask, iters=args.iters, check=args.check, seed=args.seed,
+                      threads=CPU_CORES if c == BASELINE else max(1, CPU_CORES // P), **shape)
+                 for c, mask in work]
+        for attempt in range(1 + args.retry_busy):
+            if args.wait_idle:
+                _wait_for_idle(args.wait_idle)
+            t0, load = time.time(), _load_average()
+            if configs == [DEEPSPEED] and ds_problem:
+                results = [{"error": ds_problem}]
+                break
+            results = run_group(specs, P, args.timeout)
+            busy = [r for r in results if _busy(r)]
+            if not busy or attempt == args.retry_busy:
+                break
+            print(f"  other processes used {busy[0]['others_cpu_s']:.0f} CPU-s during {configs}: "
+                  "measuring again", flush=True)
+        for spec, res in zip(specs, results):
+            mask, causal = spec["mask"], spec["mask"] == CAUSAL
+            print(f"  {spec['config']:>18} S={S} P={P}" + ("" if causal else f" {mask}") + ": "
+                  + (f"{res['time']:.3f} s" if "error" not in res else f"FAILED ({res['error']})")
+                  + (f"  [{time.time() - t0:.0f} s wall]" if len(specs) == 1 else ""), flush=True)
+            if spec["config"] == BASELINE and "error" not in res:
+                base_times[S] = res["time"]
+            # a masked row does less work than the causal baseline: no speed-up against it
+            rows.append(make_row(spec, P, res, base_times.get(S) if causal else None, args))
+            rows[-1]["load_avg_before"] = round(load, 2)
+            rows[-1]["mask"] = mask  # the CSV's last two columns (older CSVs: causal)
+            rows[-1]["allowed_ratio"] = ratios.get((mask, S))
+        if len(specs) > 1:
+            print(f"  [{time.time() - t0:.0f} s wall for these {len(specs)}]", flush=True)
 
     write_outputs(rows, args, args.seq_lens)
     print(f"(total {time.time() - started:.0f} s)")
     # A failing easy_context mode fails the run (CI); a missing/failing DeepSpeed does not.
     failed = [r for r in rows if r["time_s"] is None and r["config"] != DEEPSPEED]
     return 1 if failed else 0
+
+
+def _groups(args, wanted, ds_problem):
+    """(S, P, [(config, mask), ...]) in the order they run, one process group each: every
+    mask x every S x every P, one configuration per group; with --shared-processes one group
+    per S and P holding every mode and mask. The baseline (P=1, whole sequence) and
+    DeepSpeed run for the causal mask only."""
+    parallel = [m for m in wanted if m not in (BASELINE, DEEPSPEED)]
+    deepspeed = DEEPSPEED in wanted and CAUSAL in args.masks
+
+    def baseline(S):
+        return [(S, 1, [(BASELINE, CAUSAL)])] if BASELINE in wanted and CAUSAL in args.masks else []
+
+    def deepspeed_row(S, P, mask):  # a missing DeepSpeed gets its row without running anything
+        return [(S, P, [(DEEPSPEED, CAUSAL)])] if deepspeed and mask == CAUSAL and ds_problem else []
+
+    groups = []
+    if args.shared_processes:
+        for S in args.seq_lens:
+            groups += baseline(S)
+            for P in args.world_sizes:
+                work = [(c, mask) for mask in args.masks for c in parallel]
+                work += [(DEEPSPEED, CAUSAL)] if deepspeed and not ds_problem else []
+                groups += [(S, P, work)] if work else []
+                groups += deepspeed_row(S, P, CAUSAL)
+        return groups
+    for mask in args.masks:
+        for S in args.seq_lens:
+            groups += baseline(S) if mask == CAUSAL else []
+            for P in args.world_sizes:
+                groups += [(S, P, [(c, mask)]) for c in parallel]
+                groups += [(S, P, [(DEEPSPEED, mask)])] if deepspeed and mask == CAUSAL and not ds_problem else []
+                groups += deepspeed_row(S, P, mask)
+    return groups
 
 
 def _busy(res) -> bool:
@@ -804,6 +1027,8 @@ def _load_average() -> float:
 def make_row(spec, P, res, base_time, args):
     config, S, threads = spec["config"], spec["S"], spec["threads"]
     analytic = analytic_comm_bytes(config, S, P, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
+    if spec.get("mask", CAUSAL) != CAUSAL:  # the formulas are the causal algorithm's; masks skip transfers
+        analytic = None
     row = dict(config=config, S=S, P=P, threads_per_rank=threads, time_s=None, speedup=None, efficiency=None,
                peak_mib_per_rank="", peak_mib_max=None, peak_mib_measured_steps_per_rank="",
                comm_mib_analytic=None if analytic is None else analytic / MiB, comm_mib_counted=None,

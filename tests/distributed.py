@@ -25,12 +25,16 @@ def _entry(fn, rank, world_size, workdir, args):
     )
     try:
         torch.save(fn(rank, world_size, *args), f"{workdir}/result{rank}.pt")
+        dist.barrier()  # nobody leaves while a peer may still talk to it
     except BaseException:
         with open(f"{workdir}/error{rank}.txt", "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
+    # The results are on disk. Rarely, gloo's threads abort the interpreter's own teardown
+    # ("terminate called without an active exception", issue 17); skip that teardown.
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:

@@ -37,31 +37,28 @@ def test_unknown_and_unbuilt_modes_and_model_types():
         apply_seq_parallel_monkey_patch(MODE, "llama", ring_dgree=2)
 
 
-def test_packed_position_ids_are_refused():
-    ids = torch.zeros(1, 16, dtype=torch.long)
-    packed = torch.cat([torch.arange(8), torch.arange(8)]).unsqueeze(0)
-    with pytest.raises(ValueError, match="packed sequences are not supported"):
-        prepare_seq_parallel_inputs(MODE, ids, packed, None, 0, 2, "cpu")
-
-
-def test_padding_mask_is_refused(patched):
+def test_mask_with_zeros_inside_a_row_is_refused(patched):
     model = tiny_model("llama")
     ids, _ = tiny_batch(2, 32)
     mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: accepted
+    mask[0, 20:] = 0  # right padding: accepted
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)  # all ones: no padding, accepted
-        mask[1, :5] = 0
-        with pytest.raises(ValueError, match="padding attention_mask"):
+        model(input_ids=ids, attention_mask=mask)
+        mask[1, 10] = 0  # a hole between tokens
+        with pytest.raises(ValueError, match="attention_mask row 1 has a 0 at position 10 between tokens"):
             model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="row 1 has a 0 at position 10"):
+        prepare_seq_parallel_inputs(MODE, ids, None, None, 0, 2, "cpu", attention_mask=mask)
+    with pytest.raises(ValueError, match="0 \\(padding\\) and 1 \\(token\\) only"):
+        prepare_seq_parallel_inputs(MODE, ids, None, None, 0, 2, "cpu", attention_mask=mask * 2)
 
 
-def test_sliding_window_shorter_than_sequence_is_refused(patched):
-    model = tiny_model("mistral", sliding_window=16)
-    ids, _ = tiny_batch(1, 32)
-    with torch.no_grad(), pytest.raises(ValueError, match="sliding_window=16 is shorter than the sequence \\(32 tokens\\)"):
-        model(input_ids=ids)
-    with torch.no_grad():
-        tiny_model("mistral", sliding_window=32)(input_ids=ids)  # window covers it: fine
+def test_explicit_4d_mask_is_refused(patched):
+    model = tiny_model("llama")
+    ids, _ = tiny_batch(1, 16)
+    with torch.no_grad(), pytest.raises(ValueError, match="explicit attention mask \\(4D or custom\\)"):
+        model(input_ids=ids, attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool).tril())
 
 
 def test_attention_dropout_is_refused(patched):

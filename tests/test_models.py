@@ -38,12 +38,12 @@ RUNS = [
 ]
 
 
-def step(model, input_ids, position_ids, target_ids, group=None):
+def step(model, input_ids, position_ids, target_ids, group=None, attention_mask=None):
     """Forward + backward of the token-weighted mean loss over the whole (sharded) sequence.
 
     Each rank back-propagates its own tokens' share; the full gradient is the sum over ranks.
     """
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).logits
     loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target_ids.flatten(), ignore_index=-100, reduction="sum")
     stats = torch.stack([loss_sum.detach(), (target_ids != -100).sum().to(loss_sum.dtype)])
     if group is not None:

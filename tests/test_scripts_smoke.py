@@ -46,3 +46,44 @@ def test_bench_attention_smoke(tmp_path):
         assert (mode, "2") in ours, (mode, out.stdout[-2000:])
     assert ("baseline", "1") in ours
     assert len(csv_path.read_text().splitlines()) == len(rows) + 1
+
+
+@pytest.mark.timeout(150)
+def test_bench_attention_masked_smoke(tmp_path):
+    """--smoke-masks: every kind of mask through zigzag_ring_attn and dist_flash_attn at S=256, P=2,
+    each checked against SDPA with the dense mask; then the summary against the causal rows."""
+    script = str(ROOT / "scripts" / "bench_attention.py")
+    csv_path = tmp_path / "masked.csv"
+    out = subprocess.run([sys.executable, script, "--smoke-masks", "--csv", str(csv_path)],
+                         capture_output=True, text=True, timeout=140)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    main_table, summary = out.stdout.split("masked rows against the same mode's causal row")
+    header, *rows = table_rows(main_table)
+    assert header[:4] == ["config", "S", "P", "time (s)"] and header[-3:] == ["mask", "allowed ratio", "notes"]
+    modes, masks = ("zigzag_ring_attn", "dist_flash_attn"), ("causal", "packed-64", "long-tail", "window-64")
+    assert sorted((r[0], r[-3]) for r in rows) == sorted((m, k) for m in modes for k in masks)
+    for row in rows:
+        assert row[1:3] == ["256", "2"] and float(row[3]) > 0 and "max err" in row[-1], row
+    ratio = {r[-3]: float(r[-2]) for r in rows}
+    assert ratio["causal"] == 1.0 and ratio["packed-64"] == pytest.approx(4 * 64 * 65 / (256 * 257), abs=1e-3)
+    assert 0 < ratio["window-64"] < 1 and 0 < ratio["long-tail"] <= 1
+
+    summary_header, *summary_rows = table_rows(summary)
+    assert summary_header == ["mode", "mask", "S", "P", "time s", "causal time s", "time ratio",
+                              "ideal ratio (allowed/causal)", "saving achieved / ideal saving"]
+    assert sorted((r[0], r[1]) for r in summary_rows) == sorted((m, k) for m in modes for k in masks[1:])
+    for row in summary_rows:
+        assert row[2:4] == ["256", "2"] and float(row[5]) > 0 and float(row[6]) > 0  # a causal row was found
+        assert float(row[7]) == ratio[row[1]] and " / " in row[8]
+
+    # the CSV keeps the old columns first; --from-csv reads it back, and reads CSVs without masks as causal
+    lines = csv_path.read_text().splitlines()
+    assert len(lines) == len(rows) + 1 and lines[0].endswith(",mask,allowed_ratio")
+    again = subprocess.run([sys.executable, script, "--from-csv", str(csv_path)], capture_output=True, text=True,
+                           timeout=60, check=True).stdout
+    assert "masked rows against the same mode's causal row" in again
+    old_csv = tmp_path / "old.csv"
+    old_csv.write_text("\n".join(line.rsplit(",", 2)[0] for line in lines[:3]) + "\n")
+    old = subprocess.run([sys.executable, script, "--from-csv", str(old_csv)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert [r[-3] for r in table_rows(old)[1:]] == ["causal", "causal"] and "masked rows" not in old

@@ -99,3 +99,18 @@ def test_bad_inputs_get_clear_messages(tmp_path):
     for flags, message in cases:
         code, stderr = run_train_single("--output-dir", str(tmp_path / "out"), "--log-with", "none", *flags)
         assert code == 2 and message in stderr and "Traceback" not in stderr, (flags, stderr[-2000:])
+
+
+@pytest.mark.timeout(600)
+def test_document_masking_trains_like_data_parallel(tmp_path):
+    """--document-masking: positions restart after each EOS in every mode, and the losses equal
+    the data_parallel run with the same flag (which differs from the run without it)."""
+    steps = ["--max-train-steps", "3", "--document-masking"]
+    want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps)
+    unmasked, _ = train(tmp_path, "dp-unmasked", 1, "--parallel_mode", "data_parallel", *steps[:-1])
+    assert max(abs(a - b) for a, b in zip(want, unmasked)) > 1e-4  # the rows do hold documents
+    runs = {mode: ["--parallel_mode", mode] for mode in ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn")}
+    runs["zigzag+balance"] = ["--parallel_mode", "zigzag_ring_attn", "--balance-documents"]
+    for name, flags in runs.items():
+        got, _ = train(tmp_path, name, 2, *flags, *steps)
+        assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, got, want)

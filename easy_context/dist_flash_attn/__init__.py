@@ -11,16 +11,49 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import accumulation_dtype, attention_backward, attention_forward, select_backend
+from ..kernels import accumulation_dtype
+from ..layout import Layout
+from ..masking import FULL_ROWS, Block
 from ..modes import SeqParallelMode, fixed_ring_degree
-from ..p2p import exchange
+from ..p2p import buffer_like, exchange
 from ..remat import AttentionOutputCache, in_backward
-from ..ring import merge_block
-from .schedule import balanced_schedule
+from ..ring import Kernels, backward_blocks, finish_forward, forward_blocks, merge_block, safe_lse
+from .schedule import Unit, balanced_schedule
 
 __all__ = ["dist_flash_attention", "REMAT_CACHE", "MODE"]
 
 REMAT_CACHE = AttentionOutputCache()
+
+
+class _Plan:
+    """Kernel calls of each schedule unit: one block (causal on the diagonal) without a mask;
+    under a mask, the mask's blocks, and units with no allowed pair are dropped on every rank
+    (no compute, no transfer)."""
+
+    def __init__(self, mask, size: int, local_len: int, device):
+        self.mask, self.device, self.local_len = mask, device, local_len
+        self.masked = mask is not None and not mask.is_causal
+        self.layout, self.seq_len = Layout(zigzag=False, ring_degree=size), local_len * size
+
+    def _indices(self, unit: Unit):
+        q_index = self.layout.local_indices(self.seq_len, unit.q_owner)[unit.rows(self.local_len)]
+        return q_index, self.layout.local_indices(self.seq_len, unit.kv_owner)
+
+    def blocks(self, unit: Unit):
+        if not self.masked:
+            return [Block(FULL_ROWS, FULL_ROWS, unit.causal)]
+        return self.mask.blocks(("dist_flash", self.seq_len, unit), *self._indices(unit), self.device)
+
+    def needed(self, unit: Unit) -> bool:
+        if not self.masked:
+            return True
+        key = ("dist_flash needs", self.seq_len, unit)
+        if key not in self.mask._plans:
+            self.mask._plans[key] = self.mask.allowed_pairs(*self._indices(unit)) > 0
+        return self.mask._plans[key]
+
+    def rounds(self, size: int):
+        return [[u for u in units if self.needed(u)] for units in balanced_schedule(size)]
 
 
 def _transfer(group, me, units, sender, receiver, payload, template):
@@ -32,13 +65,11 @@ def _transfer(group, me, units, sender, receiver, payload, template):
         if src == dst:
             continue
         if me == src:
-            sends += [(dst, tensor) for tensor in payload(i, unit)]
+            sends += [(dst, tensor, like) for tensor, like in zip(payload(i, unit), template(unit))]
         if me == dst:
-            received[i] = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in template(unit)]
+            received[i] = [buffer_like(t) for t in template(unit)]
             recvs += [(src, buffer) for buffer in received[i]]
     return exchange(group, sends, recvs, received)
-
-
 def _q_owner(u):
     return u.q_owner
 
@@ -51,8 +82,8 @@ def _worker(u):
     return u.worker
 
 
-def _forward(q, k, v, scale, group, me, rounds):
-    backend, q_len = select_backend(q), q.shape[2]
+def _forward(q, k, v, scale, group, me, plan, rounds):
+    kernels, q_len = Kernels(q, plan.masked), q.shape[2]
     rows = lambda u, x: x[:, :, u.rows(q_len)]  # noqa: E731  (rows of a q-side tensor)
 
     def fetch(units):
@@ -62,7 +93,11 @@ def _forward(q, k, v, scale, group, me, rounds):
         )
 
     pending = fetch(rounds[1]) if len(rounds) > 1 else None  # in flight during the diagonal
-    out, lse = attention_forward(q, k, v, True, scale, backend)
+    state = None
+    for unit in rounds[0]:  # the diagonal, if this rank has anything to attend there
+        if unit.worker == me:
+            state = forward_blocks(q, k, v, plan.blocks(unit), scale, kernels)
+    out, lse = state if state is not None else finish_forward(q, None)  # merged state stays fp32
     out, lse = out.to(accumulation_dtype(q.dtype)), lse.contiguous()
 
     def merge(unit, block_out, block_lse):
@@ -80,7 +115,7 @@ def _forward(q, k, v, scale, group, me, rounds):
                 continue
             uq = fetched_q[i][0] if i in fetched_q else rows(u, q)
             uk, uv = fetched_kv.get(i, (k, v))
-            block_out, block_lse = attention_forward(uq, uk, uv, u.causal, scale, backend)
+            block_out, block_lse = finish_forward(uq, forward_blocks(uq, uk, uv, plan.blocks(u), scale, kernels))
             if u.q_owner == me:
                 merge(u, block_out, block_lse)
             else:
@@ -101,8 +136,9 @@ def _merge_returned(units, pending, merge):
         merge(units[i], block_out, block_lse)
 
 
-def _backward(dout, q, k, v, out, lse, scale, group, me, rounds):
-    backend, q_len, acc = select_backend(q), q.shape[2], accumulation_dtype(q.dtype)
+def _backward(dout, q, k, v, out, lse, scale, group, me, plan, rounds):
+    kernels, q_len, acc = Kernels(q, plan.masked), q.shape[2], accumulation_dtype(q.dtype)
+    lse = safe_lse(lse, plan.masked)
     rows = lambda u, x: x[:, :, u.rows(q_len)]  # noqa: E731
     q_side = lambda u: [rows(u, x) for x in (q, dout, out, lse)]  # noqa: E731
 
@@ -113,8 +149,13 @@ def _backward(dout, q, k, v, out, lse, scale, group, me, rounds):
         )
 
     pending = fetch(rounds[1]) if len(rounds) > 1 else None  # in flight during the diagonal
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, True, scale, backend)
-    dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
+    dq = dk = dv = None
+    for unit in rounds[0]:
+        if unit.worker == me:
+            dq, dk, dv = backward_blocks(dout, q, k, v, out, lse, plan.blocks(unit), scale, kernels)
+    dq = torch.zeros_like(q, dtype=acc) if dq is None else dq
+    dk = torch.zeros_like(k, dtype=acc) if dk is None else dk
+    dv = torch.zeros_like(v, dtype=acc) if dv is None else dv
 
     def send_back(units, grads):
         return (
@@ -141,8 +182,7 @@ def _backward(dout, q, k, v, out, lse, scale, group, me, rounds):
                 continue
             uq, udout, uout, ulse = fetched_q.get(i) or q_side(u)
             uk, uv = fetched_kv.get(i, (k, v))
-            block_dq, block_dk, block_dv = attention_backward(udout, uq, uk, uv, uout, ulse, u.causal, scale, backend)
-            grads[i] = [block_dq.to(acc), block_dk.to(acc), block_dv.to(acc)]
+            grads[i] = list(backward_blocks(udout, uq, uk, uv, uout, ulse, plan.blocks(u), scale, kernels))
             if u.q_owner == me:
                 rows(u, dq).add_(grads[i][0])
             if u.kv_owner == me:
@@ -158,38 +198,48 @@ def _backward(dout, q, k, v, out, lse, scale, group, me, rounds):
 
 class _DistFlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, group, layer):
+    def forward(ctx, q, k, v, scale, group, layer, mask, graph):
         me = dist.get_rank(group) if group is not None else 0
-        rounds = balanced_schedule(dist.get_world_size(group) if group is not None else 1)
-        cached = REMAT_CACHE.take(layer, q, k, v) if layer is not None and in_backward() else None
+        size = dist.get_world_size(group) if group is not None else 1
+        plan = _Plan(mask, size, q.shape[2], q.device)
+        rounds = plan.rounds(size)
+        cached = REMAT_CACHE.take(layer) if layer is not None and in_backward() else None
+        tag = None
         if cached is not None:  # a checkpointed layer re-running its forward: nothing to recompute
             out, lse = cached
-            entry = None
         else:
-            out, lse = _forward(q, k, v, scale, group, me, rounds)
-            entry = REMAT_CACHE.put(layer, q, k, v, out, lse) if layer is not None and layer.training else None
+            out, lse = _forward(q, k, v, scale, group, me, plan, rounds)
+            if layer is not None and layer.training and not in_backward():
+                tag = REMAT_CACHE.put(layer, out, lse, graph)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group, ctx.me, ctx.rounds, ctx.layer, ctx.entry = scale, group, me, rounds, layer, entry
+        ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds, ctx.layer, ctx.tag = scale, group, me, plan, rounds, layer, tag
         return out.detach()
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.entry is not None:  # not checkpointed: the entry was never needed
-            REMAT_CACHE.discard(ctx.layer, ctx.entry)
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.group, ctx.me, ctx.rounds)
-        return (*grads, None, None, None)
+        if ctx.tag is not None:
+            REMAT_CACHE.discard(ctx.layer, ctx.tag)  # not checkpointed: the entry was never needed
+            served = REMAT_CACHE.served(ctx.layer)
+            if served is not None and served != ctx.tag:
+                # The re-run got another forward's output (a forward ran between ours and this
+                # backward): recompute ours. Every rank sees the same sequence of calls.
+                out, lse = _forward(q, k, v, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds)
+        grads = _backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds)
+        return (*grads, None, None, None, None, None)
 
 
-def dist_flash_attention(q, k, v, scale, group=None, layer=None):
+def dist_flash_attention(q, k, v, scale, group=None, layer=None, mask=None):
     """Causal attention of contiguously sharded q/k/v over `group`. `layer` (the HF
-    attention module) enables checkpoint-aware reuse of the forward output."""
-    return _DistFlashAttention.apply(q, k, v, scale, group, layer)
+    attention module) enables checkpoint-aware reuse of the forward output; `mask` (a
+    SequenceMask over the group's whole sequence) restricts the attention further."""
+    # Grad mode is off inside autograd.Function.forward: read it here.
+    return _DistFlashAttention.apply(q, k, v, scale, group, layer, mask, torch.is_grad_enabled())
 
 
 MODE = SeqParallelMode(
     "dist_flash_attn",
     ring_degree=fixed_ring_degree("dist_flash_attn", lambda sp: sp, "it has no Ulysses part"),
     zigzag=False,
-    attention=lambda q, k, v, scale, groups, layer=None: dist_flash_attention(q, k, v, scale, groups.ring, layer),
+    attention=lambda q, k, v, scale, groups, layer=None, mask=None: dist_flash_attention(q, k, v, scale, groups.ring, layer, mask),
 )

@@ -2,18 +2,29 @@
 
 The sequence is cut into 2P chunks and rank r keeps chunks r and 2P-1-r. With causal
 attention every ring step then costs each rank the same: half of a full local block.
+Under a mask (packed documents, padding, windows) the blocks come from the mask's plan on
+the same layout, and ring steps nobody needs are skipped.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
+from ..layout import Layout
+from ..masking import Block
 from ..modes import SeqParallelMode, fixed_ring_degree
-from ..ring import Block, ring_attention
+from ..ring import MaskedRingPlan, ring_attention
 
 _ALL = slice(None)
 
 
 class ZigzagPlan:
     """Blocks of the causal zigzag ring; local rows are [chunk r | chunk 2P-1-r]."""
+
+    masked = False
+
+    def needs(self, step, rank, size):
+        return True
 
     def blocks(self, step, rank, size, q_len, kv_len):
         if step == 0:
@@ -29,14 +40,24 @@ class ZigzagPlan:
 PLAN = ZigzagPlan()
 
 
-def zigzag_ring_attention(q, k, v, scale, group=None):
-    """Causal attention of zigzag-sharded q/k/v over the ranks of `group`."""
-    return ring_attention(q, k, v, scale, PLAN, group)
+def ring_plan(mask, group, local_len: int, device):
+    """The plan for `mask` (a SequenceMask or None) on the zigzag layout of `group`."""
+    if mask is None or mask.is_causal:
+        return PLAN
+    size = dist.get_world_size(group) if group is not None else 1
+    layout, seq_len = Layout(zigzag=True, ring_degree=size), local_len * size
+    return MaskedRingPlan(mask, lambda r: layout.local_indices(seq_len, r), (layout, seq_len), device)
+
+
+def zigzag_ring_attention(q, k, v, scale, group=None, mask=None):
+    """Causal attention of zigzag-sharded q/k/v over the ranks of `group`; `mask` (a
+    SequenceMask over the group's whole sequence) restricts it further."""
+    return ring_attention(q, k, v, scale, ring_plan(mask, group, q.shape[2], q.device), group)
 
 
 MODE = SeqParallelMode(
     "zigzag_ring_attn",
     ring_degree=fixed_ring_degree("zigzag_ring_attn", lambda sp: sp, "use usp_attn to mix a ring with Ulysses"),
     zigzag=True,
-    attention=lambda q, k, v, scale, groups, layer=None: zigzag_ring_attention(q, k, v, scale, groups.ring),
+    attention=lambda q, k, v, scale, groups, layer=None, mask=None: zigzag_ring_attention(q, k, v, scale, groups.ring, mask),
 )
