@@ -105,7 +105,16 @@ def test_bad_inputs_get_clear_messages(tmp_path):
 def test_document_masking_trains_like_data_parallel(tmp_path):
     """--document-masking: positions restart after each EOS in every mode, and the losses equal
     the data_parallel run with the same flag (which differs from the run without it)."""
-    steps = ["--max-train-steps", "3", "--document-masking"]
+    # Rows of byte tokens with an EOS (256) every 5-60 tokens: many documents per row.
+    rng = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(16):
+        row = torch.randint(0, 256, (257,), generator=rng)
+        row[torch.randint(0, 257, (12,), generator=rng)] = 256
+        rows.append(row.tolist())
+    data = tmp_path / "documents.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    steps = ["--max-train-steps", "3", "--dataset", str(data), "--document-masking"]
     want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps)
     unmasked, _ = train(tmp_path, "dp-unmasked", 1, "--parallel_mode", "data_parallel", *steps[:-1])
     assert max(abs(a - b) for a, b in zip(want, unmasked)) > 1e-4  # the rows do hold documents
