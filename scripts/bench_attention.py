@@ -246,7 +246,9 @@ def analytic_comm_bytes(config, S, P, B, Hq, Hkv, D, dtype):
     ring (zigzag_ring_attn, and the ring part of usp_attn):
         forward   K and V shards rotate P-1 times                 2 (P-1) kv
         backward  K and V rotate P-1 times again                  2 (P-1) kv
-                  dK/dV accumulators (fp32) move P times          2 P kv_acc
+                  dK/dV accumulators (fp32) go straight back      2 (P-1) kv_acc
+                  to their owner, once per borrowed K/V block
+        (causal, unmasked: every step is needed; masks skip steps and transfers)
     Ulysses (ulysses_attn, usp_attn's Ulysses part, deepspeed_ulysses):
         forward   all-to-all of q, k, v and the output            4 x (P-1)/P of each
         backward  all-to-all of dout, dq, dk, dv                  4 x (P-1)/P of each
@@ -269,7 +271,7 @@ def analytic_comm_bytes(config, S, P, B, Hq, Hkv, D, dtype):
     def ring(R, kv_elems):
         if R == 1:
             return 0
-        return 2 * (R - 1) * kv_elems * e * 2 + 2 * R * kv_elems * acc
+        return 2 * (R - 1) * kv_elems * e * 2 + 2 * (R - 1) * kv_elems * acc
 
     if config == "zigzag_ring_attn":
         return ring(P, B * Hkv * S_l * D)
