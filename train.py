@@ -28,6 +28,7 @@ from easy_context.data import byte_tokenizer, document_positions, load_token_row
 from easy_context.launch import fail as launch_fail, make_accelerator
 from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
 from easy_context.models import check_config, load_config, load_pretrained
+from easy_context.api import SPLIT_MODES
 from easy_context.modes import get_mode
 from easy_context.tiled_mlp import tile_mlps
 
@@ -54,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--offload-checkpoints", action="store_true", help="keep checkpointed layer inputs in host memory (with --activation-checkpointing)")
     p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS", help="run MLPs over sequence tiles of this many tokens (0: off)")
     p.add_argument("--document-masking", action="store_true", help="restart positions after each EOS: no token attends across a document")
-    p.add_argument("--balance-documents", action="store_true", help="with --document-masking: reorder each row's documents so every rank gets the same attention work (results unchanged)")
+    p.add_argument("--balance-documents", action="store_true", help="with --document-masking: the same attention work on every rank (zigzag/usp: every document split over the ring; dist_flash: documents reordered); results unchanged")
     p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
     p.add_argument("--output-dir", default="outputs/tiny-llama")
     p.add_argument("--checkpointing-steps", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
@@ -107,8 +108,9 @@ class CausalLMLoss(torch.nn.Module):
     def config(self):  # accelerate reads hidden_size from here to size DeepSpeed's buckets
         return self.model.config
 
-    def forward(self, input_ids, position_ids, target_ids):
-        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    def forward(self, input_ids, position_ids, target_ids, **attention_kwargs):
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                          **attention_kwargs).last_hidden_state
         return chunked_cross_entropy_sum(hidden, self.model.get_output_embeddings(), target_ids, self.loss_chunk_size)
 
 
@@ -227,7 +229,11 @@ def main(argv=None):
     if args.document_masking and eos_id is None:
         fail("--document-masking needs a tokenizer with an EOS token (documents are separated by EOS)")
     model_type = model.config.model_type
-    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model_type, sp_size=args.sp_size, ring_degree=args.ring_degree)
+    # --balance-documents: every document is split over the ring (document_split); Ulysses alone is
+    # balanced already.
+    split = args.balance_documents and args.parallel_mode in SPLIT_MODES
+    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model_type, sp_size=args.sp_size, ring_degree=args.ring_degree,
+                                       document_split=split or None)
     trainable = CausalLMLoss(model, args.loss_chunk_size)
 
     # -------------------------------------------------------------------------- data
@@ -295,9 +301,10 @@ def main(argv=None):
             batch = micro_batch(rows, step * args.gradient_accumulate_every + micro, args.batch_size, dp_rank, dp_size, args.seed)
             positions = document_positions(batch[:, :-1], eos_id) if args.document_masking else None
             local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], positions, batch[:, 1:], rank, world,
-                                                   accelerator.device, balance_documents=args.balance_documents)
+                                                   accelerator.device, balance_documents=args.balance_documents and not split)
+            extra = {"seq_parallel_index": local["local_token_index"]} if split else {}
             with accelerator.accumulate(trainable):
-                loss_sum = trainable(local["local_input_ids"], local["local_position_ids"], local["local_target_ids"])
+                loss_sum = trainable(local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], **extra)
                 # Gradients are averaged over all ranks by DDP/DeepSpeed; scale so the result is
                 # the token-weighted mean over every token of every rank.
                 loss_for_backward, micro_mean = global_token_mean(loss_sum, local["local_target_ids"])

@@ -3,6 +3,10 @@
 Options shared by every function (keyword-only):
   sp_size      ranks that share one sequence (default: the whole world); world = dp x sp
   ring_degree  the ring part of an SP group under usp_attn (default 1: pure Ulysses)
+  document_split  ring modes (zigzag_ring_attn, usp_attn, dist_flash_attn) with packed rows:
+               each row gets a layout of its own (every document cut over the ring the way the
+               mode cuts one causal row) so every rank does the same work; the model is then
+               called with seq_parallel_index=local["local_token_index"]
 Functions called after apply_seq_parallel_monkey_patch default to the options it was given.
 """
 
@@ -25,7 +29,8 @@ __all__ = [
     "prepare_dataloader",
     "gather_seq_parallel_outputs",
 ]
-_OPTIONS = ("sp_size", "ring_degree")
+_OPTIONS = ("sp_size", "ring_degree", "document_split")
+SPLIT_MODES = ("zigzag_ring_attn", "usp_attn", "dist_flash_attn")  # modes that can follow a layout per row
 
 
 def _check_option_names(where: str, options: dict) -> None:
@@ -48,6 +53,12 @@ def _options(where: str, mode: SeqParallelMode, options: dict) -> dict:
     return resolved
 
 
+def _topology(where: str, mode: SeqParallelMode, world: int, options: dict):
+    """(topology, resolved options) for a call with `options`."""
+    resolved = _options(where, mode, options)
+    return mode.topology(world, resolved["sp_size"], resolved["ring_degree"]), resolved
+
+
 def apply_seq_parallel_monkey_patch(mode: str, model_type: str, **options) -> None:
     """Make `model_type` models run `mode`'s sequence-parallel attention.
 
@@ -61,16 +72,21 @@ def apply_seq_parallel_monkey_patch(mode: str, model_type: str, **options) -> No
     _check_option_names("apply_seq_parallel_monkey_patch", options)
     if model_type not in hf.SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {model_type!r} is not supported; supported: {list(hf.SUPPORTED_MODEL_TYPES)}")
-    sp_size, ring_degree = options.get("sp_size"), options.get("ring_degree")
+    sp_size, ring_degree, split = options.get("sp_size"), options.get("ring_degree"), options.get("document_split")
     resolved.topology(hf.world_size(), sp_size, ring_degree)  # impossible combinations fail now
+    if split and mode not in SPLIT_MODES:
+        raise ValueError(f"document_split=True works with {list(SPLIT_MODES)}, not {mode!r} (ulysses_attn is balanced "
+                         "already: every rank attends the whole sequence for its heads)")
     if resolved.attention is None:  # data_parallel: models keep their own attention
         remove_seq_parallel_monkey_patch()
         return
     types = {model_type}
     active = hf.active_patch()
-    if active is not None and (active.mode, active.sp_size, active.ring_degree) == (resolved, sp_size, ring_degree):
+    if active is not None and (active.mode, active.sp_size, active.ring_degree, active.document_split) == (
+        resolved, sp_size, ring_degree, split
+    ):
         types |= active.model_types
-    patch = hf.ActivePatch(resolved, frozenset(types), sp_size, ring_degree)
+    patch = hf.ActivePatch(resolved, frozenset(types), sp_size, ring_degree, split)
     hf.install(patch)
     if hf.world_size() > 1:
         patch.groups()  # collective: every rank calls apply, so create the groups now
@@ -115,7 +131,7 @@ def prepare_seq_parallel_inputs(
     the new order).
     """
     resolved = get_mode(mode)
-    topology = resolved.topology(world_size, **_options("prepare_seq_parallel_inputs", resolved, options))
+    topology, resolved_options = _topology("prepare_seq_parallel_inputs", resolved, world_size, options)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
 
@@ -137,6 +153,13 @@ def prepare_seq_parallel_inputs(
         hf._check_padding(attention_mask.cpu())
     layout, sp_rank = resolved.layout(topology), topology.sp_rank(rank)
     rows = (input_ids, position_ids, target_ids, attention_mask)
+    if resolved_options.get("document_split"):
+        if mode not in SPLIT_MODES:
+            raise ValueError(f"document_split=True works with {list(SPLIT_MODES)}, not {mode!r}")
+        index = _split_index(resolved, topology, position_ids, attention_mask, sp_rank)
+        result = {name: None if x is None else to_device(x.gather(1, index)) for name, x in zip(names, rows)}
+        result["local_token_index"] = to_device(index)
+        return result
     order = _document_order(resolved, topology, position_ids, attention_mask) if balance_documents else None
     if order is not None:
         rows = tuple(None if x is None else x.gather(1, order.to(x.device)) for x in rows)
@@ -148,6 +171,21 @@ def prepare_seq_parallel_inputs(
     if balance_documents:
         result["local_token_index"] = local(order if order is not None else torch.arange(seq_len).expand(batch, seq_len))
     return result
+
+
+def _split_index(mode, topology, position_ids, attention_mask, sp_rank) -> torch.Tensor:
+    """document_split: this SP rank's rows, (B, S_local) global positions: per row, its ring
+    rank's share of every document (balance.split_documents), cut into Ulysses pieces."""
+    from .balance import split_documents
+    from .masking import SequenceMask
+
+    valid = None if attention_mask is None else attention_mask.cpu().bool()
+    mask = SequenceMask.from_positions(position_ids, valid)
+    valid = torch.ones_like(mask.first_key, dtype=torch.bool) if valid is None else valid
+    ring_rank, ulysses_rank = divmod(sp_rank, topology.ulysses_degree)
+    zigzag = topology.ring_degree > 1 and mode.zigzag
+    shares = [split_documents(mask.first_key[b], valid[b], topology.ring_degree, zigzag)[ring_rank] for b in range(len(valid))]
+    return torch.stack([share.chunk(topology.ulysses_degree)[ulysses_rank] for share in shares]).to(position_ids.device)
 
 
 def _document_order(mode, topology, position_ids, attention_mask) -> Optional[torch.Tensor]:
@@ -193,23 +231,37 @@ def prepare_dataloader(mode: str, dataloader, accelerator, **options):
     if resolved.attention is None:
         return accelerator.prepare(dataloader)
     world, rank = getattr(accelerator, "num_processes", hf.world_size()), getattr(accelerator, "process_index", 0)
-    topology = resolved.topology(world, **_options("prepare_dataloader", resolved, options))
+    topology, _ = _topology("prepare_dataloader", resolved, world, options)
     if topology.dp_size == 1:
         return dataloader
     return DataParallelShard(dataloader, topology.dp_rank(rank), topology.dp_size)
 
 
-def gather_seq_parallel_outputs(mode: str, local: torch.Tensor, dim: int = 1, **options) -> torch.Tensor:
+def gather_seq_parallel_outputs(mode: str, local: torch.Tensor, dim: int = 1, token_index=None, **options) -> torch.Tensor:
     """All-gather the SP group's local tensors (logits, predictions) back into sequence order.
 
-    Not differentiable; every rank of the SP group gets its group's full tensor.
+    Not differentiable; every rank of the SP group gets its group's full tensor. Under
+    document_split pass token_index=local["local_token_index"] (dim must be 1).
     """
     resolved = get_mode(mode)
-    topology = resolved.topology(hf.world_size(), **_options("gather_seq_parallel_outputs", resolved, options))
+    topology, resolved_options = _topology("gather_seq_parallel_outputs", resolved, hf.world_size(), options)
+    if resolved_options["document_split"] and token_index is None:
+        raise ValueError("document_split=True: pass token_index=local['local_token_index'] to gather_seq_parallel_outputs")
     groups = get_groups(topology)
     if groups.sp is None:
         return local
+    pieces = _all_gather(local, topology, groups)
+    if token_index is None:
+        return resolved.layout(topology).unshard(pieces, dim=dim)
+    if dim != 1:
+        raise ValueError(f"token_index orders dim 1 (the sequence), got dim={dim}")
+    index = torch.cat(_all_gather(token_index.to(local.device), topology, groups), dim=1)
+    index = index.reshape(*index.shape, *([1] * (local.dim() - 2))).expand(*index.shape, *local.shape[2:])
+    return torch.empty_like(torch.cat(pieces, dim=1)).scatter_(1, index, torch.cat(pieces, dim=1))
+
+
+def _all_gather(local, topology, groups) -> list:
     local = local.contiguous()
     pieces = [torch.empty_like(local) for _ in range(topology.sp_size)]
     dist.all_gather(pieces, local, group=groups.sp)
-    return resolved.layout(topology).unshard(pieces, dim=dim)
+    return pieces

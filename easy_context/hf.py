@@ -55,6 +55,7 @@ class ActivePatch:
     model_types: frozenset
     sp_size: Optional[int] = None  # None: the whole world
     ring_degree: Optional[int] = None  # None: the mode's default
+    document_split: Optional[bool] = None  # a layout per packed row; the model gets seq_parallel_index
 
     def groups(self) -> SeqParallelGroups:
         """This rank's process groups; created at the first call, then cached."""
@@ -82,31 +83,56 @@ class ShardedMask:
         self.padding = padding
         self._resolved: Optional[SequenceMask] = None
 
-    def resolve(self, position_ids, groups: SeqParallelGroups, layout: Layout) -> SequenceMask:
+    def resolve(self, position_ids, groups: SeqParallelGroups, layout: Layout, token_index=None) -> SequenceMask:
         if self._resolved is None:
-            self._resolved = _global_mask(position_ids, self.padding, groups, layout)
+            self._resolved = _global_mask(position_ids, self.padding, groups, layout, token_index)
         return self._resolved
 
 
-def _global_mask(position_ids, padding, groups: SeqParallelGroups, layout: Layout) -> SequenceMask:
+def _global_mask(position_ids, padding, groups: SeqParallelGroups, layout: Layout, token_index) -> SequenceMask:
     if position_ids is None:
         raise ValueError("the model passed no position_ids to its attention; sequence parallelism needs them "
                          "(pass local_position_ids from prepare_seq_parallel_inputs)")
     batch = position_ids.shape[0] if padding is None else padding.shape[0]
-    local = torch.stack([
+    rows = [
         position_ids.expand(batch, -1).long(),
         torch.ones_like(position_ids.expand(batch, -1), dtype=torch.long) if padding is None else padding.long(),
-    ]).contiguous()
+    ]
+    if token_index is not None:
+        rows.append(token_index.to(position_ids.device).expand(batch, -1).long())
+    local = torch.stack(rows).contiguous()
     size, rank = groups.topology.sp_size, groups.sp_rank
     pieces = [local]
     if groups.sp is not None:  # on the data's device: NCCL takes only CUDA tensors
         pieces = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(pieces, local, group=groups.sp)
-    whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
+    if token_index is None:
+        whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
+        _check_positions(pieces, size, rank, layout)
+        ring_index = None
+    else:
+        whole, ring_index = _unshard_by_index([piece.cpu() for piece in pieces], layout)
     positions, valid = whole[0], whole[1]
-    _check_positions(pieces, size, rank, layout)
     _check_padding(valid)
-    return SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool())
+    mask = SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool())
+    mask.ring_index = ring_index
+    return mask
+
+
+def _unshard_by_index(pieces, layout: Layout):
+    """document_split: each rank's rows sit at the global positions its third row names.
+    Returns the whole (positions, padding) and, per ring rank, the positions of its rows
+    (the Ulysses pieces of a ring share, concatenated in order, as the all-to-all does)."""
+    index = torch.cat([piece[2] for piece in pieces], dim=1)
+    batch, seq = index.shape
+    if not bool((torch.sort(index, dim=1).values == torch.arange(seq)).all()):
+        raise ValueError("seq_parallel_index of the sequence-parallel group is not a permutation of the row's positions: "
+                         "pass local_token_index from prepare_seq_parallel_inputs (same batch, same options)")
+    whole = torch.empty(2, batch, seq, dtype=torch.long)
+    whole.scatter_(2, index.expand(2, -1, -1), torch.cat([piece[:2] for piece in pieces], dim=2))
+    u = layout.ulysses_degree
+    ring_index = [torch.cat([pieces[r * u + i][2] for i in range(u)], dim=1) for r in range(layout.ring_degree)]
+    return whole, ring_index
 
 
 def _check_positions(pieces, size: int, rank: int, layout: Layout) -> None:
@@ -168,7 +194,13 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
     layout = _active.mode.layout(groups.topology)
     _check_supported(module, query, key, attention_mask, kwargs)
     sharded = attention_mask if attention_mask is not None else ShardedMask(None)
-    mask = sharded.resolve(kwargs.get("position_ids"), groups, layout).with_window(kwargs.get("sliding_window"))
+    token_index = kwargs.get("seq_parallel_index")
+    if _active.document_split and token_index is None:
+        raise ValueError("the patch has document_split=True: call the model with "
+                         "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs")
+    if token_index is not None and not _active.document_split:
+        raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
+    mask = sharded.resolve(kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):

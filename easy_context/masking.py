@@ -49,6 +49,9 @@ class SequenceMask:
 
     first_key: torch.Tensor
     window: Optional[int] = None
+    # With document_split (a data-dependent layout): per ring rank, the global positions of its
+    # rows, (B, S / ring_degree), increasing per batch row. None: the mode's static layout.
+    ring_index: Optional[list] = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -75,14 +78,14 @@ class SequenceMask:
             raise ValueError(f"sliding_window must be >= 1, got {window}")
         key = ("window", window)
         if key not in self._plans:  # shares nothing but the description: plans differ
-            self._plans[key] = SequenceMask(self.first_key, window)
+            self._plans[key] = SequenceMask(self.first_key, window, self.ring_index)
         return self._plans[key]
 
     @property
     def is_causal(self) -> bool:
         """True when the rule is plain causal attention over the whole row (no work to skip)."""
         if "causal" not in self._plans:
-            self._plans["causal"] = self.window is None and not bool(self.first_key.any())
+            self._plans["causal"] = self.window is None and self.ring_index is None and not bool(self.first_key.any())
         return self._plans["causal"]
 
     def blocks(self, key, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:
@@ -95,7 +98,14 @@ class SequenceMask:
         return self._plans[key]
 
     def allowed_pairs(self, q_index: torch.Tensor, k_index: torch.Tensor) -> int:
-        """Allowed (query, key) pairs summed over the batch rows."""
+        """Allowed (query, key) pairs summed over the batch rows. Indices: (n,) shared by the
+        batch rows, or (B, n) per row."""
+        if q_index.dim() == 2:
+            return sum(
+                int((hi - lo).clamp(min=0).sum())
+                for b in range(q_index.shape[0])
+                for lo, hi in [_key_ranges(self.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], self.window)]
+            )
         lo, hi = _key_ranges(self.first_key[:, q_index], q_index, k_index, self.window)
         return int((hi - lo).clamp(min=0).sum())
 
@@ -113,16 +123,26 @@ def _key_ranges(first_key_q, q_index, k_index, window):
 
 
 def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:
+    """q_index/k_index: (n,) shared by the batch rows, or (B, n) per row."""
+    if q_index.dim() == 2:  # a layout of its own per batch row
+        return [
+            block
+            for b in range(q_index.shape[0])
+            for block in _plan_rows(mask, slice(b, b + 1), mask.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], device)
+        ]
     first_key_q = mask.first_key[:, q_index]
     if bool((first_key_q == first_key_q[:1]).all()):  # every batch row has the same boundaries
-        rows = [(FULL_ROWS, first_key_q[:1])]
-    else:
-        rows = [(slice(b, b + 1), first_key_q[b:b + 1]) for b in range(first_key_q.shape[0])]
-    blocks = []
-    for batch, fk in rows:
-        lo, hi = (x[0] for x in _key_ranges(fk, q_index, k_index, mask.window))
-        blocks += _row_blocks(lo, hi, batch, device)
-    return blocks
+        return _plan_rows(mask, FULL_ROWS, first_key_q[:1], q_index, k_index, device)
+    return [
+        block
+        for b in range(first_key_q.shape[0])
+        for block in _plan_rows(mask, slice(b, b + 1), first_key_q[b:b + 1], q_index, k_index, device)
+    ]
+
+
+def _plan_rows(mask, batch, first_key_q, q_index, k_index, device) -> list[Block]:
+    lo, hi = (x[0] for x in _key_ranges(first_key_q, q_index, k_index, mask.window))
+    return _row_blocks(lo, hi, batch, device)
 
 
 def _runs(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int]]:
@@ -132,7 +152,8 @@ def _runs(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int]]:
     if n == 0:
         return []
     step = hi[1:] - hi[:-1]
-    breaks = (lo[1:] != lo[:-1]) | ((step != 0) & (step != 1))
+    empty = hi <= lo  # rows with nothing to attend (stored as [0, 0)) never share a run with others
+    breaks = (lo[1:] != lo[:-1]) | ((step != 0) & (step != 1)) | (empty[1:] != empty[:-1])
     breaks[1:] |= step[1:] != step[:-1]
     starts = [0] + (torch.nonzero(breaks).flatten() + 1).tolist()
     return list(zip(starts, starts[1:] + [n]))

@@ -17,7 +17,8 @@ import random
 
 import torch
 
-from easy_context.balance import balanced_order
+from easy_context.balance import balanced_order, split_documents
+from easy_context.dist_flash_attn import split_rows
 from easy_context.dist_flash_attn.schedule import balanced_schedule
 from easy_context.layout import Layout
 from easy_context.masking import SequenceMask
@@ -46,19 +47,22 @@ def _normal(index: torch.Tensor) -> tuple:
     return tuple(index.tolist()[:1]) + (len(index),)
 
 
-def zigzag_work(mask: SequenceMask, seq: int, size: int) -> list[int]:
+def zigzag_work(mask: SequenceMask, seq: int, size: int, index=None) -> list[int]:
     layout = Layout(zigzag=True, ring_degree=size)
-    index = [layout.local_indices(seq, r) for r in range(size)]
-    return [sum(computed(mask.blocks(("z", r, s), index[r], index[s], "cpu")) for s in range(size)) for r in range(size)]
+    key = "z" if index is None else "zs"
+    index = index or [layout.local_indices(seq, r) for r in range(size)]
+    return [sum(computed(mask.blocks((key, r, s), index[r], index[s], "cpu")) for s in range(size)) for r in range(size)]
 
 
-def dist_flash_work(mask: SequenceMask, seq: int, size: int) -> list[int]:
+def dist_flash_work(mask: SequenceMask, seq: int, size: int, index=None) -> list[int]:
     layout, local = Layout(zigzag=False, ring_degree=size), seq // size
+    key = "d" if index is None else "ds"
+    index = index or [layout.local_indices(seq, r) for r in range(size)]
     work = [0] * size
     for units in balanced_schedule(size):
         for u in units:
-            q_index = layout.local_indices(seq, u.q_owner)[u.rows(local)]
-            work[u.worker] += computed(mask.blocks(("d", u), q_index, layout.local_indices(seq, u.kv_owner), "cpu"))
+            rows = split_rows(mask, u, index, local) if key == "ds" else u.rows(local)
+            work[u.worker] += computed(mask.blocks((key, u), index[u.q_owner][..., rows], index[u.kv_owner], "cpu"))
     return work
 
 
@@ -69,12 +73,13 @@ def main():
     parser.add_argument("--seeds", type=int, default=10)
     args = parser.parse_args()
     print(f"S={args.seq}, long-tailed documents (log-normal, median 300 tokens), {args.seeds} rows per cell;")
-    print("max/min query x key products per rank, as planned; 'reordered' = prepare_seq_parallel_inputs(balance_documents=True)")
-    print("| mode | P | mean | worst | reordered: mean | reordered: worst | longest document (mean) |")
-    print("|---|---|---|---|---|---|---|")
+    print("max/min query x key products per rank, as planned; 'reordered' = prepare_seq_parallel_inputs(balance_documents=True);")
+    print("'split' = document_split=True (every document cut over the ring as the mode cuts one causal row)")
+    print("| mode | P | mean | worst | reordered: mean | reordered: worst | split: mean | split: worst | longest document (mean) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, work_of in (("zigzag_ring_attn", zigzag_work), ("dist_flash_attn", dist_flash_work)):
         for size in map(int, args.sizes.split(",")):
-            plain, reordered, longest = [], [], []
+            plain, reordered, split, longest = [], [], [], []
             for seed in range(args.seeds):
                 lengths = long_tailed_lengths(args.seq, random.Random(seed))
                 positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -85,9 +90,14 @@ def main():
                 order = balanced_order(mask.first_key[0], torch.ones(args.seq, dtype=torch.bool), layout, name == "dist_flash_attn")
                 work = work_of(SequenceMask.from_positions(positions[:, order]), args.seq, size)
                 reordered.append(max(work) / max(1, min(work)))
+                index = [i[None] for i in split_documents(mask.first_key[0], torch.ones(args.seq, dtype=torch.bool), size,
+                                                           name == "zigzag_ring_attn")]  # (B=1, n) per rank, as the attention gets it
+                work = work_of(mask, args.seq, size, index)
+                split.append(max(work) / max(1, min(work)))
                 longest.append(max(lengths))
             mean = lambda x: sum(x) / len(x)  # noqa: E731
-            print(f"| {name} | {size} | {mean(plain):.3f} | {max(plain):.3f} | {mean(reordered):.3f} | {max(reordered):.3f} | {mean(longest):.0f} |")
+            cells = f"{mean(split):.3f} | {max(split):.3f}"
+            print(f"| {name} | {size} | {mean(plain):.3f} | {max(plain):.3f} | {mean(reordered):.3f} | {max(reordered):.3f} | {cells} | {mean(longest):.0f} |")
 
 if __name__ == "__main__":
     main()

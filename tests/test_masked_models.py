@@ -190,3 +190,53 @@ def test_balanced_document_order_changes_no_result(mode, world_size):
     logits = logits.masked_fill(PADDING[..., None] == 0, 0.0)
     logits_err, loss_err, grad_err = errors((logits, loss, grads), want)
     assert logits_err <= 1e-4 and loss_err <= 1e-5 and grad_err <= 1e-4, (logits_err, loss_err, grad_err)
+
+
+def _split_worker(rank, world_size, mode, options):
+    apply_seq_parallel_monkey_patch(mode, "qwen3", document_split=True, **options)
+    apply_seq_parallel_monkey_patch(mode, "mistral", document_split=True, **options)
+    group = active_patch().groups().sp
+    results = {}
+    for name, model_type, overrides in (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30})):
+        model = tiny_model(model_type, **overrides)
+        input_ids, target_ids = targets(2, PADDING)
+        local = prepare_seq_parallel_inputs(mode, input_ids, PACKED_ROWS, target_ids, rank, world_size, "cpu",
+                                            attention_mask=PADDING)
+        logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
+                       attention_mask=local["local_attention_mask"], seq_parallel_index=local["local_token_index"]).logits
+        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local["local_target_ids"].flatten(), reduction="sum")
+        stats = torch.stack([loss_sum.detach(), (local["local_target_ids"] != -100).sum().float()])
+        dist.all_reduce(stats, group=group)
+        (loss_sum / stats[1]).backward()
+        whole = gather_seq_parallel_outputs(mode, logits.detach(), token_index=local["local_token_index"])
+        results[name] = (whole, (stats[0] / stats[1]).item(), summed_grads(model, group))
+    try:
+        model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"])
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    remove_seq_parallel_monkey_patch()
+    return results, refused
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,world_size,options", [("zigzag_ring_attn", 2, {}), ("zigzag_ring_attn", 4, {}),
+                                                      ("usp_attn", 4, {"ring_degree": 2}), ("dist_flash_attn", 2, {}),
+                                                      ("dist_flash_attn", 3, {}), ("dist_flash_attn", 4, {})], ids=str)
+def test_document_split_layout_matches_single_process(mode, world_size, options):
+    """document_split: every packed document is cut over all ring ranks (a layout per row);
+    logits (put back in order with local_token_index), loss and every gradient equal the
+    unpatched model's, windows included; a model call without seq_parallel_index is refused."""
+    results, refused = run_ranks(_split_worker, world_size, mode, options)[0]
+    assert refused and "seq_parallel_index=local['local_token_index']" in refused
+    for name, model_type, overrides in (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30})):
+        CASES[name] = (model_type, overrides, 2, PACKED_ROWS, PADDING)
+        try:
+            want = reference(name)
+        finally:
+            del CASES[name]
+        logits, loss, grads = results[name]
+        logits = logits.masked_fill(PADDING[..., None] == 0, 0.0)
+        logits_err, loss_err, grad_err = errors((logits, loss, grads), want)
+        print(f"{mode} P={world_size} document_split {name}: logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}")
+        assert logits_err <= 1e-4 and loss_err <= 1e-5 and grad_err <= 1e-4, (name, logits_err, loss_err, grad_err)

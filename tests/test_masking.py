@@ -36,11 +36,11 @@ def coverage(mask: SequenceMask, q_index, k_index):
     """(B, len q, len k) count of how often each pair is computed as allowed, and whether
     any disallowed pair is computed without a mask."""
     b = mask.first_key.shape[0]
-    count = torch.zeros(b, len(q_index), len(k_index), dtype=torch.long)
+    count = torch.zeros(b, q_index.shape[-1], k_index.shape[-1], dtype=torch.long)
     for block in mask.blocks(("test", id(q_index), id(k_index)), q_index, k_index, "cpu"):
         rows, cols = block.q, block.kv
-        nq = len(range(*rows.indices(len(q_index))))
-        nk = len(range(*cols.indices(len(k_index))))
+        nq = len(range(*rows.indices(q_index.shape[-1])))
+        nk = len(range(*cols.indices(k_index.shape[-1])))
         if block.mask is not None:
             pattern = block.mask[0, 0].long()
         elif block.causal:
@@ -104,3 +104,31 @@ def test_plain_causal_rows_plan_one_block_per_shard_pair():
     blocks = mask.blocks("plain", qi, qi, "cpu")
     # rank 1 holds chunks 1 and 2 of 4: chunk 2 sees chunk 1 fully, both diagonals causally
     assert [(b.q, b.kv, b.causal, b.mask is None) for b in blocks] == [(slice(0, 32), slice(0, 32), True, True)]
+
+
+def test_a_row_with_nothing_to_attend_does_not_hide_the_next_row():
+    """Empty rows are stored as keys [0, 0); the next row's keys [0, 1) must not join their run
+    (found with the document_split layout: a 7-token document over 8 pieces)."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
+    mask = SequenceMask.from_positions(positions)
+    q_index, k_index = torch.tensor([0, 6]), torch.tensor([3, 7])  # query 0 sees none of these keys
+    assert torch.equal(coverage(mask, q_index, k_index)[0], torch.tensor([[0, 0], [1, 0]]))
+
+
+def test_per_row_layouts_cover_each_allowed_pair_exactly_once():
+    """document_split: every batch row has a layout of its own, (B, n) index arrays."""
+    from easy_context.balance import split_documents
+
+    rng = random.Random(3)
+    seq, ring = 192, 4
+    positions = torch.stack([random_row(seq, rng), random_row(seq, rng)])
+    valid = torch.stack([torch.arange(seq) >= 11, torch.arange(seq) < seq - 5])
+    for window in (None, 9):
+        mask = SequenceMask.from_positions(positions, valid).with_window(window)
+        shares = [split_documents(mask.first_key[b], valid[b], ring) for b in range(2)]
+        index = [torch.stack([shares[b][r] for b in range(2)]) for r in range(ring)]
+        truth = allowed_matrix(mask.first_key, window)
+        for qr in range(ring):
+            for kr in range(ring):
+                want = torch.stack([truth[b][index[qr][b]][:, index[kr][b]] for b in range(2)]).long()
+                assert torch.equal(coverage(mask, index[qr], index[kr]), want), (window, qr, kr)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..kernels import accumulation_dtype
 from ..layout import Layout
-from ..masking import FULL_ROWS, Block
+from ..masking import FULL_ROWS, Block, _key_ranges
 from ..modes import SeqParallelMode, fixed_ring_degree
 from ..p2p import buffer_like, exchange
 from ..remat import AttentionOutputCache, in_backward
@@ -35,9 +35,20 @@ class _Plan:
         self.masked = mask is not None and not mask.is_causal
         self.layout, self.seq_len = Layout(zigzag=False, ring_degree=size), local_len * size
 
+    def rows(self, unit: Unit) -> slice:
+        """The unit's query rows. The middle round's halves split the unit's work, which for a
+        layout of its own per row (document_split) is not half of its rows."""
+        if self.mask is None or self.mask.ring_index is None:
+            return unit.rows(self.local_len)
+        return split_rows(self.mask, unit, self.mask.ring_index, self.local_len)
+
+    def _index(self, rank: int):
+        if self.mask.ring_index is not None:  # document_split: a layout of its own per row
+            return self.mask.ring_index[rank]
+        return self.layout.local_indices(self.seq_len, rank)
+
     def _indices(self, unit: Unit):
-        q_index = self.layout.local_indices(self.seq_len, unit.q_owner)[unit.rows(self.local_len)]
-        return q_index, self.layout.local_indices(self.seq_len, unit.kv_owner)
+        return self._index(unit.q_owner)[..., self.rows(unit)], self._index(unit.kv_owner)
 
     def blocks(self, unit: Unit):
         if not self.masked:
@@ -54,6 +65,26 @@ class _Plan:
 
     def rounds(self, size: int):
         return [[u for u in units if self.needed(u)] for units in balanced_schedule(size)]
+
+
+def split_rows(mask, unit: Unit, index, local_len: int) -> slice:
+    """Rows of a unit under a per-row layout: all of them, or the half of the allowed pairs of
+    q_owner's rows x kv_owner's keys that `unit.part` names (cut at the same row on every rank:
+    the mask is the same everywhere)."""
+    if unit.parts == 1:
+        return slice(0, local_len)
+    key = ("dist_flash cut", unit.q_owner, unit.kv_owner)
+    if key not in mask._plans:
+        q_index, k_index = index[unit.q_owner], index[unit.kv_owner]
+        per_row = sum(
+            (hi - lo).clamp(min=0)[0]
+            for b in range(q_index.shape[0])
+            for lo, hi in [_key_ranges(mask.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], mask.window)]
+        )
+        work = per_row.cumsum(0)
+        mask._plans[key] = int(torch.searchsorted(work, work[-1] / 2).clamp(1, local_len - 1)) if local_len > 1 else 0
+    cut = mask._plans[key]
+    return slice(0, cut) if unit.part == 0 else slice(cut, local_len)
 
 
 def _transfer(group, me, units, sender, receiver, payload, template):
@@ -83,8 +114,8 @@ def _worker(u):
 
 
 def _forward(q, k, v, scale, group, me, plan, rounds):
-    kernels, q_len = Kernels(q, plan.masked), q.shape[2]
-    rows = lambda u, x: x[:, :, u.rows(q_len)]  # noqa: E731  (rows of a q-side tensor)
+    kernels = Kernels(q, plan.masked)
+    rows = lambda u, x: x[:, :, plan.rows(u)]  # noqa: E731  (rows of a q-side tensor)
 
     def fetch(units):
         return (
@@ -101,7 +132,7 @@ def _forward(q, k, v, scale, group, me, plan, rounds):
     out, lse = out.to(accumulation_dtype(q.dtype)), lse.contiguous()
 
     def merge(unit, block_out, block_lse):
-        r = unit.rows(q_len)
+        r = plan.rows(unit)
         merge_block(out[:, :, r], lse[:, :, r], block_out, block_lse)
 
     returning = None
@@ -137,9 +168,9 @@ def _merge_returned(units, pending, merge):
 
 
 def _backward(dout, q, k, v, out, lse, scale, group, me, plan, rounds):
-    kernels, q_len, acc = Kernels(q, plan.masked), q.shape[2], accumulation_dtype(q.dtype)
+    kernels, acc = Kernels(q, plan.masked), accumulation_dtype(q.dtype)
     lse = safe_lse(lse, plan.masked)
-    rows = lambda u, x: x[:, :, u.rows(q_len)]  # noqa: E731
+    rows = lambda u, x: x[:, :, plan.rows(u)]  # noqa: E731
     q_side = lambda u: [rows(u, x) for x in (q, dout, out, lse)]  # noqa: E731
 
     def fetch(units):

@@ -45,6 +45,8 @@ def ring_plan(mask, group, local_len: int, device):
     if mask is None or mask.is_causal:
         return PLAN
     size = dist.get_world_size(group) if group is not None else 1
+    if mask.ring_index is not None:  # document_split: a layout of its own per row
+        return MaskedRingPlan(mask, mask.ring_index.__getitem__, "document_split", device)
     layout, seq_len = Layout(zigzag=True, ring_degree=size), local_len * size
     return MaskedRingPlan(mask, lambda r: layout.local_indices(seq_len, r), (layout, seq_len), device)
 
