@@ -37,6 +37,7 @@ CASES = {
     "padded-left-right": ("llama", {}, 2, None, PADDING),
     "window-12": ("mistral", {"sliding_window": 12}, 2, None, None),  # shorter than any shard
     "window-40": ("mistral", {"sliding_window": 40}, 1, None, None),  # longer than a P=4 shard
+    "window-60": ("mistral", {"sliding_window": 60}, 1, None, None),  # longer than a P=2 shard (48)
     "per-layer-windows": ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}, 1, None, None),
     "packed-padded-window": ("mistral", {"sliding_window": 30}, 2, PACKED_ROWS, PADDING),
 }
