@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--offload-checkpoints", action="store_true", help="keep checkpointed layer inputs in host memory (with --activation-checkpointing)")
     p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS", help="run MLPs over sequence tiles of this many tokens (0: off)")
     p.add_argument("--document-masking", action="store_true", help="restart positions after each EOS: no token attends across a document")
-    p.add_argument("--balance-documents", action="store_true", help="with --document-masking: the same attention work on every rank (zigzag/usp: every document split over the ring; dist_flash: documents reordered); results unchanged")
+    p.add_argument("--balance-documents", action="store_true", help="with --document-masking: the same attention work on every rank (document_split: every document cut over the ring; ulysses_attn is balanced already); results unchanged")
     p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
     p.add_argument("--output-dir", default="outputs/tiny-llama")
     p.add_argument("--checkpointing-steps", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
@@ -73,7 +73,7 @@ def parse_args(argv=None):
     if args.learning_rate <= 0:
         errors.append(f"--learning-rate must be > 0, got {args.learning_rate}")
     if args.balance_documents and not args.document_masking:
-        errors.append("--balance-documents needs --document-masking (it reorders documents)")
+        errors.append("--balance-documents needs --document-masking (it balances documents)")
     if args.offload_checkpoints and not args.activation_checkpointing:
         errors.append("--offload-checkpoints needs --activation-checkpointing")
     if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.max_train_steps:
@@ -301,7 +301,7 @@ def main(argv=None):
             batch = micro_batch(rows, step * args.gradient_accumulate_every + micro, args.batch_size, dp_rank, dp_size, args.seed)
             positions = document_positions(batch[:, :-1], eos_id) if args.document_masking else None
             local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], positions, batch[:, 1:], rank, world,
-                                                   accelerator.device, balance_documents=args.balance_documents and not split)
+                                                   accelerator.device)
             extra = {"seq_parallel_index": local["local_token_index"]} if split else {}
             with accelerator.accumulate(trainable):
                 loss_sum = trainable(local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], **extra)

@@ -5,10 +5,11 @@ Public API (everything a training or evaluation script needs):
     apply_seq_parallel_monkey_patch(mode, model_type, **options)
     remove_seq_parallel_monkey_patch()
     prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device,
-                                attention_mask=None, balance_documents=False, **options)
+                                attention_mask=None, **options)
     prepare_dataloader(mode, dataloader, accelerator, **options)
-    gather_seq_parallel_outputs(mode, local_tensor, dim=1, **options)
-    options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn)
+    gather_seq_parallel_outputs(mode, local_tensor, dim=1, token_index=None, **options)
+    options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn),
+             document_split (a layout per packed row: equal work per rank)
 
 Architecture (one file or folder per concern):
     kernels.py         local attention block -> (out, lse) and its backward; CPU/CUDA backends, masks
@@ -26,7 +27,7 @@ Architecture (one file or folder per concern):
 Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
     evaluation.py      score whole sequences over an SP group (no grad, per-token results)
     needle.py          needle / passkey prompts for any tokenizer
-    balance.py         document order that balances packed rows over the ranks
+    balance.py         document_split: a layout per packed row that balances the ranks' work
     models.py, data.py, loss.py, tiled_mlp.py, launch.py, plots.py
 """
 

@@ -74,9 +74,8 @@ def apply_seq_parallel_monkey_patch(mode: str, model_type: str, **options) -> No
         raise ValueError(f"model type {model_type!r} is not supported; supported: {list(hf.SUPPORTED_MODEL_TYPES)}")
     sp_size, ring_degree, split = options.get("sp_size"), options.get("ring_degree"), options.get("document_split")
     resolved.topology(hf.world_size(), sp_size, ring_degree)  # impossible combinations fail now
-    if split and mode not in SPLIT_MODES:
-        raise ValueError(f"document_split=True works with {list(SPLIT_MODES)}, not {mode!r} (ulysses_attn is balanced "
-                         "already: every rank attends the whole sequence for its heads)")
+    if split:
+        _check_split(mode)
     if resolved.attention is None:  # data_parallel: models keep their own attention
         remove_seq_parallel_monkey_patch()
         return
@@ -108,8 +107,7 @@ def _as_batch(name: str, x: Optional[torch.Tensor], batch: int, seq_len: int) ->
 
 
 def prepare_seq_parallel_inputs(
-    mode: str, input_ids, position_ids, target_ids, rank: int, world_size: int, device, attention_mask=None,
-    balance_documents: bool = False, **options
+    mode: str, input_ids, position_ids, target_ids, rank: int, world_size: int, device, attention_mask=None, **options
 ) -> dict:
     """Keep this rank's share of a batch of full sequences.
 
@@ -124,11 +122,9 @@ def prepare_seq_parallel_inputs(
     attention_mask=local["local_attention_mask"] and position_ids=local["local_position_ids"]
     to the model. data_parallel returns the inputs unchanged (moved to `device`).
 
-    balance_documents=True (packed rows, ring modes): each row's documents are reordered so
-    every rank gets the same attention work (attention never crosses a document, so every
-    token's result and the loss are unchanged); `local_token_index` (B, S_local) then gives
-    each local token's index in the original row (gather_seq_parallel_outputs returns rows in
-    the new order).
+    document_split=True: each row gets a layout of its own; the result also has
+    local_token_index (B, S_local), each local token's position in its row, for the model
+    (seq_parallel_index=) and gather_seq_parallel_outputs (token_index=).
     """
     resolved = get_mode(mode)
     topology, resolved_options = _topology("prepare_seq_parallel_inputs", resolved, world_size, options)
@@ -153,24 +149,23 @@ def prepare_seq_parallel_inputs(
         hf._check_padding(attention_mask.cpu())
     layout, sp_rank = resolved.layout(topology), topology.sp_rank(rank)
     rows = (input_ids, position_ids, target_ids, attention_mask)
-    if resolved_options.get("document_split"):
-        if mode not in SPLIT_MODES:
-            raise ValueError(f"document_split=True works with {list(SPLIT_MODES)}, not {mode!r}")
+    if resolved_options["document_split"]:
+        _check_split(mode)
         index = _split_index(resolved, topology, position_ids, attention_mask, sp_rank)
         result = {name: None if x is None else to_device(x.gather(1, index)) for name, x in zip(names, rows)}
         result["local_token_index"] = to_device(index)
         return result
-    order = _document_order(resolved, topology, position_ids, attention_mask) if balance_documents else None
-    if order is not None:
-        rows = tuple(None if x is None else x.gather(1, order.to(x.device)) for x in rows)
 
     def local(x):
         return None if x is None else to_device(layout.shard(x, sp_rank, dim=1))
 
-    result = dict(zip(names, map(local, rows)))
-    if balance_documents:
-        result["local_token_index"] = local(order if order is not None else torch.arange(seq_len).expand(batch, seq_len))
-    return result
+    return dict(zip(names, map(local, rows)))
+
+
+def _check_split(mode: str) -> None:
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"document_split=True works with {list(SPLIT_MODES)}, not {mode!r} (ulysses_attn is balanced "
+                         "already: every rank attends the whole sequence for its heads)")
 
 
 def _split_index(mode, topology, position_ids, attention_mask, sp_rank) -> torch.Tensor:
@@ -186,23 +181,6 @@ def _split_index(mode, topology, position_ids, attention_mask, sp_rank) -> torch
     zigzag = topology.ring_degree > 1 and mode.zigzag
     shares = [split_documents(mask.first_key[b], valid[b], topology.ring_degree, zigzag)[ring_rank] for b in range(len(valid))]
     return torch.stack([share.chunk(topology.ulysses_degree)[ulysses_rank] for share in shares]).to(position_ids.device)
-
-
-def _document_order(mode, topology, position_ids, attention_mask) -> Optional[torch.Tensor]:
-    """Per row, an order of its documents that balances the ring's work (balance.py); None
-    when there is nothing to balance (no ring, or rows of one document)."""
-    from .balance import balanced_order
-    from .layout import Layout
-    from .masking import SequenceMask
-
-    if topology.ring_degree < 2:  # Ulysses alone: every rank attends the whole sequence already
-        return None
-    valid = None if attention_mask is None else attention_mask.cpu().bool()
-    mask = SequenceMask.from_positions(position_ids, valid)
-    ring = Layout(zigzag=mode.zigzag, ring_degree=topology.ring_degree)
-    dist_flash = mode.name == "dist_flash_attn"
-    valid = torch.ones_like(mask.first_key, dtype=torch.bool) if valid is None else valid
-    return torch.stack([balanced_order(mask.first_key[b], valid[b], ring, dist_flash) for b in range(len(valid))])
 
 
 class DataParallelShard:

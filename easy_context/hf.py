@@ -114,9 +114,7 @@ def _global_mask(position_ids, padding, groups: SeqParallelGroups, layout: Layou
         whole, ring_index = _unshard_by_index([piece.cpu() for piece in pieces], layout)
     positions, valid = whole[0], whole[1]
     _check_padding(valid)
-    mask = SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool())
-    mask.ring_index = ring_index
-    return mask
+    return SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool(), ring_index)
 
 
 def _unshard_by_index(pieces, layout: Layout):

@@ -55,7 +55,7 @@ class SequenceMask:
     _plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_positions(cls, position_ids: torch.Tensor, valid: Optional[torch.Tensor] = None) -> "SequenceMask":
+    def from_positions(cls, position_ids: torch.Tensor, valid: Optional[torch.Tensor] = None, ring_index=None) -> "SequenceMask":
         """HF's packing convention: a document starts where position_ids[i] != position_ids[i-1] + 1.
         `valid` (B, S) bool marks non-padding tokens (None: all valid)."""
         position_ids = position_ids.cpu().long()
@@ -69,7 +69,7 @@ class SequenceMask:
         first_key = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
         if valid is not None:
             first_key = torch.where(valid, first_key, index + 1)
-        return cls(first_key.contiguous())
+        return cls(first_key.contiguous(), ring_index=ring_index)
 
     def with_window(self, window: Optional[int]) -> "SequenceMask":
         if window is None or window >= self.first_key.shape[1]:
@@ -97,17 +97,25 @@ class SequenceMask:
             self._plans[key] = plan_blocks(self, q_index, k_index, device)
         return self._plans[key]
 
+    def pairs_per_query(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        """(n,) allowed keys of each local query row, summed over the batch rows. Indices: (n,)
+        shared by the batch rows, or (B, n) per row."""
+        total = torch.zeros(q_index.shape[-1], dtype=torch.long)
+        for _, first_key_q, q, k, rows in _by_row(self, q_index, k_index):
+            lo, hi = _key_ranges(first_key_q, q, k, self.window)
+            total += (hi - lo)[0] * rows
+        return total
+
     def allowed_pairs(self, q_index: torch.Tensor, k_index: torch.Tensor) -> int:
-        """Allowed (query, key) pairs summed over the batch rows. Indices: (n,) shared by the
-        batch rows, or (B, n) per row."""
-        if q_index.dim() == 2:
-            return sum(
-                int((hi - lo).clamp(min=0).sum())
-                for b in range(q_index.shape[0])
-                for lo, hi in [_key_ranges(self.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], self.window)]
-            )
-        lo, hi = _key_ranges(self.first_key[:, q_index], q_index, k_index, self.window)
-        return int((hi - lo).clamp(min=0).sum())
+        """Allowed (query, key) pairs summed over the batch rows."""
+        return int(self.pairs_per_query(q_index, k_index).sum())
+
+    def has_pairs(self, key, q_index: torch.Tensor, k_index: torch.Tensor) -> bool:
+        """Whether any pair is allowed; cached under `key` like `blocks`."""
+        key = ("has pairs", key)
+        if key not in self._plans:
+            self._plans[key] = self.allowed_pairs(q_index, k_index) > 0
+        return self._plans[key]
 
 
 def _key_ranges(first_key_q, q_index, k_index, window):
@@ -122,27 +130,28 @@ def _key_ranges(first_key_q, q_index, k_index, window):
     return lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
 
 
-def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:
-    """q_index/k_index: (n,) shared by the batch rows, or (B, n) per row."""
+def _by_row(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor):
+    """(batch rows, first_key of the queries (1, n), q_index, k_index, number of rows) for each
+    group of batch rows that can be planned together: all rows at once when they share the
+    layout and the boundaries, else row by row. Indices: (n,) shared, or (B, n) per row."""
     if q_index.dim() == 2:  # a layout of its own per batch row
-        return [
-            block
-            for b in range(q_index.shape[0])
-            for block in _plan_rows(mask, slice(b, b + 1), mask.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], device)
-        ]
+        for b in range(q_index.shape[0]):
+            yield slice(b, b + 1), mask.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], 1
+        return
     first_key_q = mask.first_key[:, q_index]
     if bool((first_key_q == first_key_q[:1]).all()):  # every batch row has the same boundaries
-        return _plan_rows(mask, FULL_ROWS, first_key_q[:1], q_index, k_index, device)
-    return [
-        block
-        for b in range(first_key_q.shape[0])
-        for block in _plan_rows(mask, slice(b, b + 1), first_key_q[b:b + 1], q_index, k_index, device)
-    ]
+        yield FULL_ROWS, first_key_q[:1], q_index, k_index, first_key_q.shape[0]
+        return
+    for b in range(first_key_q.shape[0]):
+        yield slice(b, b + 1), first_key_q[b:b + 1], q_index, k_index, 1
 
 
-def _plan_rows(mask, batch, first_key_q, q_index, k_index, device) -> list[Block]:
-    lo, hi = (x[0] for x in _key_ranges(first_key_q, q_index, k_index, mask.window))
-    return _row_blocks(lo, hi, batch, device)
+def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:
+    blocks = []
+    for batch, first_key_q, q, k, _ in _by_row(mask, q_index, k_index):
+        lo, hi = (x[0] for x in _key_ranges(first_key_q, q, k, mask.window))
+        blocks += _row_blocks(lo, hi, batch, device)
+    return blocks
 
 
 def _runs(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int]]:

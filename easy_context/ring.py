@@ -56,11 +56,7 @@ class MaskedRingPlan:
 
     def needs(self, step, rank, size):
         source = (rank - step) % size
-        key = ("needs", self.name, rank, source)
-        cache = self.mask._plans
-        if key not in cache:
-            cache[key] = self.mask.allowed_pairs(self.index_of(rank), self.index_of(source)) > 0
-        return cache[key]
+        return self.mask.has_pairs((self.name, rank, source), self.index_of(rank), self.index_of(source))
 
 
 def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -161,6 +157,20 @@ def _steps(plan, size) -> list[int]:
     return [t for t in range(1, size) if any(plan.needs(t, r, size) for r in range(size))]
 
 
+def _kv_by_step(comm, plan, k, v):
+    """(step, [K, V] of the rank `step` before me) for step 0 and every step some rank needs,
+    the next step's exchange in flight while the caller computes this one. Where I need
+    nothing at a step, its K/V is an empty list."""
+    size = comm.size if comm else 1
+    steps = _steps(plan, size) if comm else []
+    pending = _fetch_kv(comm, plan, steps[0], k, v) if steps else None
+    yield 0, [k, v]
+    for i, step in enumerate(steps):
+        kv = pending.wait()
+        pending = _fetch_kv(comm, plan, steps[i + 1], k, v) if i + 1 < len(steps) else None
+        yield step, kv
+
+
 def _fetch_kv(comm, plan, step, k, v) -> Pending:
     """My K/V to the rank `step` after me if it needs it; the K/V of the rank `step` before me
     if I need it (else the result is empty)."""
@@ -182,12 +192,7 @@ def _ring_forward(q, k, v, scale, plan, comm):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
     kernels = Kernels(q, plan.masked)
     state = None
-    steps = _steps(plan, size) if comm else []
-    pending = _fetch_kv(comm, plan, steps[0], k, v) if steps else None
-    for i, step in enumerate([0] + steps):
-        kv = [k, v]
-        if step:
-            kv, pending = pending.wait(), (_fetch_kv(comm, plan, steps[i], k, v) if i < len(steps) else None)
+    for step, kv in _kv_by_step(comm, plan, k, v):
         if plan.needs(step, rank, size):
             blocks = plan.blocks(step, rank, size, q.shape[2], k.shape[2])
             state = forward_blocks(q, kv[0], kv[1], blocks, scale, kernels, state)
@@ -198,14 +203,9 @@ def _ring_backward(dout, q, k, v, out, lse, scale, plan, comm):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
     kernels = Kernels(q, plan.masked)
     lse = safe_lse(lse, plan.masked)
-    steps = _steps(plan, size) if comm else []
-    pending = _fetch_kv(comm, plan, steps[0], k, v) if steps else None
     dq = own_dk = own_dv = None
     returning = None  # the previous step's dK/dV exchange
-    for i, step in enumerate([0] + steps):
-        kv = [k, v]
-        if step:
-            kv, pending = pending.wait(), (_fetch_kv(comm, plan, steps[i], k, v) if i < len(steps) else None)
+    for step, kv in _kv_by_step(comm, plan, k, v):
         dk = dv = None
         if plan.needs(step, rank, size):
             blocks = plan.blocks(step, rank, size, q.shape[2], k.shape[2])

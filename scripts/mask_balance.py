@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from easy_context.balance import balanced_order, split_documents
+from easy_context.balance import split_documents
 from easy_context.dist_flash_attn import split_rows
 from easy_context.dist_flash_attn.schedule import balanced_schedule
 from easy_context.layout import Layout
@@ -73,23 +73,18 @@ def main():
     parser.add_argument("--seeds", type=int, default=10)
     args = parser.parse_args()
     print(f"S={args.seq}, long-tailed documents (log-normal, median 300 tokens), {args.seeds} rows per cell;")
-    print("max/min query x key products per rank, as planned; 'reordered' = prepare_seq_parallel_inputs(balance_documents=True);")
-    print("'split' = document_split=True (every document cut over the ring as the mode cuts one causal row)")
-    print("| mode | P | mean | worst | reordered: mean | reordered: worst | split: mean | split: worst | longest document (mean) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("max/min query x key products per rank, as planned; 'split' = document_split=True")
+    print("(every document cut over the ring as the mode cuts one causal row)")
+    print("| mode | P | mean | worst | split: mean | split: worst | longest document (mean) |")
+    print("|---|---|---|---|---|---|---|")
     for name, work_of in (("zigzag_ring_attn", zigzag_work), ("dist_flash_attn", dist_flash_work)):
         for size in map(int, args.sizes.split(",")):
-            plain, reordered, split, longest = [], [], [], []
+            plain, split, longest = [], [], []
             for seed in range(args.seeds):
                 lengths = long_tailed_lengths(args.seq, random.Random(seed))
-                positions = torch.cat([torch.arange(n) for n in lengths])[None]
                 mask = packed_mask(lengths)
                 work = work_of(mask, args.seq, size)
                 plain.append(max(work) / max(1, min(work)))
-                layout = Layout(zigzag=name == "zigzag_ring_attn", ring_degree=size)
-                order = balanced_order(mask.first_key[0], torch.ones(args.seq, dtype=torch.bool), layout, name == "dist_flash_attn")
-                work = work_of(SequenceMask.from_positions(positions[:, order]), args.seq, size)
-                reordered.append(max(work) / max(1, min(work)))
                 index = [i[None] for i in split_documents(mask.first_key[0], torch.ones(args.seq, dtype=torch.bool), size,
                                                            name == "zigzag_ring_attn")]  # (B=1, n) per rank, as the attention gets it
                 work = work_of(mask, args.seq, size, index)
@@ -97,7 +92,7 @@ def main():
                 longest.append(max(lengths))
             mean = lambda x: sum(x) / len(x)  # noqa: E731
             cells = f"{mean(split):.3f} | {max(split):.3f}"
-            print(f"| {name} | {size} | {mean(plain):.3f} | {max(plain):.3f} | {mean(reordered):.3f} | {max(reordered):.3f} | {cells} | {mean(longest):.0f} |")
+            print(f"| {name} | {size} | {mean(plain):.3f} | {max(plain):.3f} | {cells} | {mean(longest):.0f} |")
 
 if __name__ == "__main__":
     main()

@@ -120,7 +120,7 @@ def test_document_masking_trains_like_data_parallel(tmp_path):
     assert max(abs(a - b) for a, b in zip(want, unmasked)) > 1e-4  # the rows do hold documents
     runs = {mode: ["--parallel_mode", mode] for mode in ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn")}
     runs["zigzag+balance"] = ["--parallel_mode", "zigzag_ring_attn", "--balance-documents"]  # document_split
-    runs["dist_flash+balance"] = ["--parallel_mode", "dist_flash_attn", "--balance-documents"]  # reordering
+    runs["dist_flash+balance"] = ["--parallel_mode", "dist_flash_attn", "--balance-documents"]  # document_split
     for name, flags in runs.items():
         got, _ = train(tmp_path, name, 2, *flags, *steps)
         assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, got, want)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..kernels import accumulation_dtype
 from ..layout import Layout
-from ..masking import FULL_ROWS, Block, _key_ranges
+from ..masking import FULL_ROWS, Block
 from ..modes import SeqParallelMode, fixed_ring_degree
 from ..p2p import buffer_like, exchange
 from ..remat import AttentionOutputCache, in_backward
@@ -56,12 +56,7 @@ class _Plan:
         return self.mask.blocks(("dist_flash", self.seq_len, unit), *self._indices(unit), self.device)
 
     def needed(self, unit: Unit) -> bool:
-        if not self.masked:
-            return True
-        key = ("dist_flash needs", self.seq_len, unit)
-        if key not in self.mask._plans:
-            self.mask._plans[key] = self.mask.allowed_pairs(*self._indices(unit)) > 0
-        return self.mask._plans[key]
+        return not self.masked or self.mask.has_pairs(("dist_flash", self.seq_len, unit), *self._indices(unit))
 
     def rounds(self, size: int):
         return [[u for u in units if self.needed(u)] for units in balanced_schedule(size)]
@@ -75,13 +70,7 @@ def split_rows(mask, unit: Unit, index, local_len: int) -> slice:
         return slice(0, local_len)
     key = ("dist_flash cut", unit.q_owner, unit.kv_owner)
     if key not in mask._plans:
-        q_index, k_index = index[unit.q_owner], index[unit.kv_owner]
-        per_row = sum(
-            (hi - lo).clamp(min=0)[0]
-            for b in range(q_index.shape[0])
-            for lo, hi in [_key_ranges(mask.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], mask.window)]
-        )
-        work = per_row.cumsum(0)
+        work = mask.pairs_per_query(index[unit.q_owner], index[unit.kv_owner]).cumsum(0)
         mask._plans[key] = int(torch.searchsorted(work, work[-1] / 2).clamp(1, local_len - 1)) if local_len > 1 else 0
     cut = mask._plans[key]
     return slice(0, cut) if unit.part == 0 else slice(cut, local_len)
