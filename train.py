@@ -189,7 +189,7 @@ RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "paralle
 
 def main(argv=None):
     args = parse_args(argv)
-    from accelerate.utils import DistributedType, set_seed
+    from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
     # ------------------------------------------------------------------- accelerator
@@ -264,10 +264,8 @@ def main(argv=None):
         from transformers import get_linear_schedule_with_warmup
 
         scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, args.max_train_steps)
+    # DDP (MULTI_CPU / MULTI_GPU) or DeepSpeed: gradients are averaged over every rank.
     trainable, optimizer, scheduler = accelerator.prepare(trainable, optimizer, scheduler)
-    # Under torchrun on CPU accelerate runs each process on its own (DistributedType.NO):
-    # average the gradients ourselves, as DDP / DeepSpeed do elsewhere.
-    manual_sync = world > 1 and accelerator.distributed_type == DistributedType.NO
 
     # ------------------------------------------------------------------------ resume
     step = 0
@@ -309,8 +307,6 @@ def main(argv=None):
                 # the token-weighted mean over every token of every rank.
                 loss_for_backward, micro_mean = global_token_mean(loss_sum, local["local_target_ids"])
                 accelerator.backward(loss_for_backward)
-                if manual_sync and accelerator.sync_gradients:
-                    average_gradients(params)
                 optimizer.step()
                 if accelerator.sync_gradients:
                     scheduler.step()
@@ -344,19 +340,6 @@ def main(argv=None):
     accelerator.end_training()
     ec.remove_seq_parallel_monkey_patch()
     return loss
-
-
-def average_gradients(params) -> None:
-    """All-reduce (mean) every gradient over all ranks, as one flat buffer."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def save_checkpoint(accelerator, args, step: int):

@@ -7,6 +7,7 @@ Public API (everything a training or evaluation script needs):
     prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device,
                                 attention_mask=None, **options)
     prepare_dataloader(mode, dataloader, accelerator, **options)
+    prepare_trainer(mode, trainer, **options)   HF Trainer / TRL SFTTrainer in one line
     gather_seq_parallel_outputs(mode, local_tensor, dim=1, token_index=None, **options)
     options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn),
              document_split (a layout per packed row: equal work per rank)
@@ -24,6 +25,8 @@ Architecture (one file or folder per concern):
       data_parallel/     no sequence parallelism
     hf.py              the single transformers integration point (attention + mask registries)
     api.py             the functions above
+    trainer.py         prepare_trainer: data by SP group, sharded batches, exact loss for HF Trainer
+    replicas.py        a guard: the ranks of an SP group must hold the same weights
 Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
     evaluation.py      score whole sequences over an SP group (no grad, per-token results)
     needle.py          needle / passkey prompts for any tokenizer
@@ -39,6 +42,7 @@ from .api import (
     remove_seq_parallel_monkey_patch,
 )
 from .hf import SUPPORTED_MODEL_TYPES
+from .trainer import prepare_trainer
 from .modes import BUILT_MODES, MODE_NAMES
 
 __version__ = "0.1.0"
@@ -48,6 +52,7 @@ __all__ = [
     "remove_seq_parallel_monkey_patch",
     "prepare_seq_parallel_inputs",
     "prepare_dataloader",
+    "prepare_trainer",
     "gather_seq_parallel_outputs",
     "SUPPORTED_MODEL_TYPES",
     "MODE_NAMES",

@@ -15,7 +15,8 @@ rank of the SP group all-gathers its local position_ids and padding (S small int
 once per forward) and the result becomes one `masking.SequenceMask` over the whole
 sequence: documents (position_ids restarting), padding and, per layer, the sliding
 window. Every rank derives it from the same gathered data, so every check on it fails
-on all ranks alike and no rank is left waiting in a collective.
+on all ranks alike and no rank is left waiting in a collective. The same first call
+checks now and then that the SP group's weights are still identical (replicas.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .layout import Layout
 from .masking import SequenceMask
 from .modes import SeqParallelMode
 from .process_groups import SeqParallelGroups, get_groups
+from .replicas import check_replicas
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "ShardedMask", "install", "uninstall", "active_patch", "world_size"]
 
@@ -83,9 +85,11 @@ class ShardedMask:
         self.padding = padding
         self._resolved: Optional[SequenceMask] = None
 
-    def resolve(self, position_ids, groups: SeqParallelGroups, layout: Layout, token_index=None) -> SequenceMask:
+    def resolve(self, module, position_ids, groups: SeqParallelGroups, layout: Layout, token_index=None) -> SequenceMask:
+        """Called by every attention layer; the first call of a forward does the work."""
         if self._resolved is None:
             self._resolved = _global_mask(position_ids, self.padding, groups, layout, token_index)
+            check_replicas(module, groups.sp, groups.sp_rank, position_ids.device)
         return self._resolved
 
 
@@ -198,7 +202,7 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
                          "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs")
     if token_index is not None and not _active.document_split:
         raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
-    mask = sharded.resolve(kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
+    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):

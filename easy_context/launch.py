@@ -10,14 +10,29 @@ __all__ = ["make_accelerator", "fail"]
 
 
 def make_accelerator(**kwargs):
-    """An accelerate.Accelerator; under torchrun / accelerate launch on a machine without
-    CUDA the process group uses gloo (accelerate would otherwise pick nothing usable)."""
+    """An accelerate.Accelerator whose gradients are synchronised on every machine.
+
+    Under torchrun on a machine without CUDA, a plain Accelerator reports DistributedType.NO
+    and never wraps the model in DDP: every rank would step on its own shard's gradient.
+    `cpu=True` gives MULTI_CPU (DDP over gloo) instead. DeepSpeed synchronises gradients
+    itself, and cpu=True would silently drop it, so under `accelerate launch --use_deepspeed`
+    we only ask for a gloo process group.
+    """
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
-    return Accelerator(kwargs_handlers=handlers, **kwargs)
+    if torch.cuda.is_available() or not launched:
+        return Accelerator(**kwargs)
+    if _deepspeed_requested(kwargs):
+        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **kwargs)
+    return Accelerator(cpu=True, **kwargs)
+
+
+def _deepspeed_requested(kwargs) -> bool:
+    from accelerate.utils import str_to_bool
+
+    return kwargs.get("deepspeed_plugin") is not None or bool(str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")))
 
 
 def fail(script: str, message: str):

@@ -1,0 +1,78 @@
+"""The ranks of one sequence-parallel group must hold the same weights: a guard.
+
+Every rank of an SP group computes the gradient of its own shard of the sequence; only
+once they are averaged (DDP, DeepSpeed) is it the gradient of the whole sequence. A script
+that never synchronises them (for example accelerate's Accelerator with only a gloo process
+group under torchrun on CPU: DistributedType.NO, no DDP) does not crash. Every rank steps
+on its own shard's gradient and the replicas drift apart, so the results are silently wrong.
+
+The check: at a patched forward, each rank sums a fixed sample of the attention module's
+weights (the first SAMPLE values of each parameter, in float64). One all-gather of two
+numbers over the SP group compares the sums, and every rank raises the same error if they
+differ. It runs at forwards 1, 2, 4, 8, ... and every CHECK_EVERY-th forward (the first
+check also catches unseeded, different initial weights). That is one small collective
+every CHECK_EVERY forwards: 0.1-0.3% of a step (see scripts/bench_replica_check.py).
+Parameters sharded across ranks (ZeRO-3, DTensor) are skipped: each rank holds a
+different piece of them by design, and their owner keeps them consistent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["check_replicas", "ReplicaDriftError", "CHECK_EVERY"]
+
+CHECK_EVERY = int(os.environ.get("EASY_CONTEXT_REPLICA_CHECK_EVERY", "16"))  # 0 turns the guard off
+SAMPLE = 4096  # values per parameter: weights that drift drift everywhere, a sample shows it
+_forwards = 0
+
+
+class ReplicaDriftError(RuntimeError):
+    pass
+
+
+def _due(count: int) -> bool:
+    return CHECK_EVERY > 0 and (count & (count - 1) == 0 or count % CHECK_EVERY == 0)
+
+
+def _replicated(param: torch.Tensor) -> bool:
+    if param.numel() == 0 or getattr(param, "ds_id", None) is not None:  # ZeRO-3 partition
+        return False
+    return type(param).__name__ != "DTensor"
+
+
+def checksum(module: torch.nn.Module, device) -> torch.Tensor:
+    """(sum, sum of absolute values) of a fixed sample of the module's replicated weights."""
+    sample = [p.detach().reshape(-1)[:SAMPLE].double() for p in module.parameters() if _replicated(p)]
+    if not sample:
+        return torch.zeros(2, dtype=torch.float64, device=device)
+    values = torch.cat([s.to(device) for s in sample])
+    return torch.stack([values.sum(), values.abs().sum()])
+
+
+def check_replicas(module: torch.nn.Module, group, sp_rank: int, device) -> None:
+    """Called once per patched forward on every rank of the SP group (`group` None: one rank)."""
+    global _forwards
+    _forwards += 1
+    if group is None or not _due(_forwards):
+        return
+    local = checksum(module, device)
+    sums = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sums, local, group=group)
+    sums = torch.stack(sums).cpu()
+    tolerance = 1e-9 * float(sums[:, 1].max()) + 1e-12  # identical replicas agree to rounding at most
+    spread = float(sums[:, 0].max() - sums[:, 0].min())
+    if spread > tolerance:
+        raise ReplicaDriftError(
+            f"the ranks of this sequence-parallel group hold different weights (checksums of "
+            f"{type(module).__name__}'s weights by SP rank: {[f'{s:.9g}' for s in sums[:, 0].tolist()]}; "
+            f"forward {_forwards}, this is SP rank {sp_rank}). Their gradients are not being averaged, "
+            "so each rank trains on its own shard of the sequence and the results are wrong. "
+            "Wrap the model in DistributedDataParallel or DeepSpeed. With accelerate on a machine "
+            "without CUDA, create Accelerator(cpu=True) (it gives MULTI_CPU + DDP); a gloo process "
+            "group alone gives DistributedType.NO and no gradient averaging. Also seed every rank "
+            "alike before creating the model."
+        )

@@ -1,0 +1,250 @@
+"""HF Trainer and TRL SFTTrainer in one line: prepare_trainer(mode, trainer, **options).
+
+The trainer keeps doing everything it does (DDP or DeepSpeed, gradient accumulation,
+evaluation, checkpoints, resume); four things change, each for a reason:
+
+  data     Every rank of an SP group must read the same batches, and the data-parallel
+           groups different ones. The trainer's dataloaders are prepared by accelerate as
+           for dp_size processes, with this rank's dp_rank.
+  batches  compute_loss keeps this rank's share of each batch (prepare_seq_parallel_inputs).
+           The labels are shifted first: shifting a shard would pair tokens across shard
+           boundaries. Rows are padded internally (masked, label -100) to a length the
+           layout can split.
+  loss     The Trainer counts num_items_in_batch over whole rows, on each of the sp_size
+           ranks that hold them; divided by sp_size it is the true count, and each rank's
+           loss is its share of the token-weighted mean over the SP group (and, with
+           average_tokens_across_devices, over every group).
+  eval     A batch's loss is its SP group's token-weighted mean; logits are gathered back
+           to whole rows when compute_metrics needs them, and results are gathered once
+           per SP group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import hf
+from .api import _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
+from .modes import get_mode
+from .process_groups import get_groups
+
+__all__ = ["prepare_trainer"]
+
+IGNORE_INDEX = -100
+# Keys with one value per token that are sharded; the keys below restate the documents that
+# position_ids already describe (flash-attention varlen metadata of padding-free collators).
+PER_TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+RESTATED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def prepare_trainer(mode: str, trainer, **options):
+    """Make a transformers.Trainer (or a subclass such as TRL's SFTTrainer) train `mode`.
+
+    Call it after creating the trainer and before trainer.train(); every rank calls it.
+    Applies the monkey patch for the trainer's model type (if not applied yet) with
+    `options` (sp_size, ring_degree, document_split) and returns the same trainer.
+    """
+    resolved = get_mode(mode)
+    if isinstance(trainer, SeqParallelTrainerMixin):
+        raise ValueError("prepare_trainer was already called on this trainer")
+    model_type = getattr(getattr(trainer.model, "config", None), "model_type", None)
+    if model_type is None:
+        raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
+    apply_seq_parallel_monkey_patch(mode, model_type, **options)
+    if resolved.attention is None:  # data_parallel: the Trainer already is one
+        return trainer
+    _check_supported(trainer)
+    topology, resolved_options = _topology("prepare_trainer", resolved, trainer.accelerator.num_processes, options)
+    trainer.__class__ = _seq_parallel_class(type(trainer))
+    trainer._seq_parallel = _Batches(mode, topology, resolved_options)
+    if topology.sp_size > 1:
+        _read_by_sp_group(trainer, topology)
+    return trainer
+
+
+def _check_supported(trainer) -> None:
+    args = trainer.args
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} is not supported by prepare_trainer "
+                         "(the label smoother shifts labels after sharding); set it to 0")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise ValueError("compute_loss_func is not supported by prepare_trainer: it would get this rank's share of "
+                         "each row; the model's own loss (labels / shift_labels) is")
+    if not getattr(trainer, "model_accepts_loss_kwargs", True):
+        raise ValueError(f"{type(trainer.model).__name__}.forward takes no **kwargs (num_items_in_batch, shift_labels); "
+                         "prepare_trainer needs a model whose loss takes them, as transformers' causal LMs do")
+
+
+class SeqParallelTrainerMixin:
+    """Put in front of the trainer's class by prepare_trainer."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        batches: _Batches = self._seq_parallel
+        local, row_length = batches.shard(inputs)
+        if not torch.is_grad_enabled():  # evaluation: each rank's loss is the mean over its own tokens
+            result = super().compute_loss(model, local, return_outputs, None)
+            loss, outputs = result if return_outputs else (result, None)
+            loss_sum, count = batches.group_sum(loss, local.get("shift_labels"))
+            if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+                # As the Trainer weighs data-parallel batches: by their share of every group's tokens.
+                loss = loss_sum * batches.topology.dp_size / (num_items_in_batch / batches.topology.sp_size)
+            else:
+                loss = loss_sum / count.clamp(min=1)
+            if return_outputs and self._needs_logits():
+                outputs = batches.gather_logits(outputs, local, row_length)
+            return (loss, outputs) if return_outputs else loss
+        if num_items_in_batch is None:
+            raise ValueError("prepare_trainer: training needs num_items_in_batch (the batch has no labels, or the "
+                             "model's loss takes no num_items_in_batch)")
+        # Counted over whole rows on each of the SP group's ranks.
+        return super().compute_loss(model, local, return_outputs, num_items_in_batch / batches.topology.sp_size)
+
+    def _needs_logits(self) -> bool:
+        return self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _seq_parallel_class(base: type) -> type:
+    return type(f"SeqParallel{base.__name__}", (SeqParallelTrainerMixin, base), {"__module__": base.__module__})
+
+
+class _Batches:
+    """Shards batches for one mode and topology, and recombines what the SP group computed."""
+
+    def __init__(self, mode: str, topology, options: dict):
+        self.mode, self.topology = mode, topology
+        self.options = {k: v for k, v in options.items() if v is not None}
+        self.layout = get_mode(mode).layout(topology)
+
+    def shard(self, inputs: dict) -> tuple[dict, int]:
+        """(this rank's model inputs, the row length before internal padding)."""
+        if "input_ids" not in inputs:
+            raise ValueError(f"prepare_trainer: batches need input_ids (got keys {sorted(inputs)})")
+        input_ids = inputs["input_ids"]
+        batch, length = input_ids.shape
+        for key, value in inputs.items():
+            if key not in PER_TOKEN_KEYS + RESTATED_KEYS and torch.is_tensor(value) and value.dim() >= 2 \
+                    and tuple(value.shape[:2]) == (batch, length):
+                raise ValueError(f"prepare_trainer: batch key {key!r} has a value per token and cannot be sharded; "
+                                 f"supported per-token keys: {list(PER_TOKEN_KEYS)}")
+        if any(key in inputs for key in RESTATED_KEYS) and inputs.get("position_ids") is None:
+            raise ValueError(f"prepare_trainer: {[k for k in RESTATED_KEYS if k in inputs]} without position_ids; "
+                             "packed batches must carry position_ids restarting at each document")
+        targets = inputs.get("shift_labels")
+        if targets is None and inputs.get("labels") is not None:
+            targets = F.pad(inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        positions, padding = inputs.get("position_ids"), inputs.get("attention_mask")
+        extra = (-length) % self.layout.multiple
+        if extra:  # pad to a length the layout splits; the pads are masked and have no target
+            if positions is None:
+                positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+            if padding is None:
+                padding = torch.ones_like(input_ids)
+            input_ids, positions, padding = (F.pad(x, (0, extra), value=0) for x in (input_ids, positions, padding))
+            targets = None if targets is None else F.pad(targets, (0, extra), value=IGNORE_INDEX)
+        rank = dist.get_rank() if hf.world_size() > 1 else 0
+        local = prepare_seq_parallel_inputs(self.mode, input_ids, positions, targets, rank, hf.world_size(),
+                                            input_ids.device, attention_mask=padding, **self.options)
+        result = {k: v for k, v in inputs.items() if k not in PER_TOKEN_KEYS + RESTATED_KEYS}
+        result["input_ids"] = local["local_input_ids"]
+        result["position_ids"] = local["local_position_ids"]
+        if local["local_attention_mask"] is not None:
+            result["attention_mask"] = local["local_attention_mask"]
+        if targets is not None:  # already shifted: the loss must not shift again
+            result["labels"] = result["shift_labels"] = local["local_target_ids"]
+        if "local_token_index" in local:
+            result["seq_parallel_index"] = local["local_token_index"]
+        return result, length
+
+    def _sp_group(self):
+        return get_groups(self.topology).sp
+
+    def group_sum(self, loss: torch.Tensor, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluation: (sum of the SP group's token losses, its token count) from each rank's
+        mean over its own tokens."""
+        if targets is None:
+            raise ValueError("prepare_trainer: evaluation batches need labels")
+        count = (targets != IGNORE_INDEX).sum().to(loss.dtype)
+        stats = torch.stack([torch.where(count > 0, loss.detach() * count, torch.zeros_like(count)), count])
+        if self._sp_group() is not None:
+            dist.all_reduce(stats, group=self._sp_group())
+        return stats[0], stats[1]
+
+    def gather_logits(self, outputs, local: dict, row_length: int):
+        logits = getattr(outputs, "logits", None)
+        if logits is not None:
+            whole = gather_seq_parallel_outputs(self.mode, logits.detach(), dim=1, token_index=local.get("seq_parallel_index"),
+                                                **self.options)
+            outputs["logits"] = whole[:, :row_length]
+        return outputs
+
+
+def _read_by_sp_group(trainer, topology) -> None:
+    """The trainer's dataloaders, prepared by accelerate as if there were dp_size processes:
+    batch i goes to data-parallel group i % dp_size, read by every rank of the group."""
+    from accelerate.data_loader import prepare_data_loader
+    from accelerate.utils import recursively_apply
+
+    accelerator = trainer.accelerator
+    register = accelerator.prepare_data_loader  # for an already prepared loader it only records it
+    dp_rank = topology.dp_rank(accelerator.process_index)
+
+    def prepare_for_sp_groups(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if not getattr(data_loader, "_is_accelerate_prepared", False):
+            if topology.dp_size == 1:
+                _seed_shuffling(data_loader, accelerator)
+            data_loader = prepare_data_loader(
+                data_loader, accelerator.device, num_processes=topology.dp_size, process_index=dp_rank,
+                split_batches=accelerator.split_batches,
+                put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+                rng_types=accelerator.rng_types.copy(),
+                dispatch_batches=False,  # the dispatcher would slice batches over every process
+                even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
+                data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
+                use_stateful_dataloader=accelerator.use_stateful_dataloader,
+            )
+            data_loader._is_accelerate_prepared = True  # what accelerator.prepare marks; register only records it
+        return register(data_loader)
+
+    accelerator.prepare_data_loader = prepare_for_sp_groups
+
+    def gather_once_per_sp_group(data, use_gather_object=False):
+        """accelerate's gather_for_metrics, over the data-parallel groups: every rank of an SP
+        group holds the same evaluation results, so keep SP rank 0's."""
+        if use_gather_object:
+            raise ValueError("prepare_trainer: evaluation results must be tensors")
+        gathered = accelerator.gather(data)
+        state = accelerator.gradient_state
+
+        def one_per_group(x):
+            if x.dim() == 0:
+                return x
+            x = x.reshape(topology.dp_size, topology.sp_size, -1, *x.shape[1:])[:, 0].flatten(0, 1)
+            if state.end_of_dataloader and state.remainder > 0:
+                x = x[: state.remainder]
+            return x
+
+        return recursively_apply(one_per_group, gathered)
+
+    trainer.gather_function = gather_once_per_sp_group
+
+
+def _seed_shuffling(data_loader, accelerator) -> None:
+    """Every rank of the SP group must draw the same order. accelerate seeds shuffling only
+    when it shards a loader over several processes (here dp_size > 1); with one data-parallel
+    group we use the same rule: SeedableRandomSampler, seeded by data_seed or the process
+    seed, plus the epoch."""
+    from accelerate.data_loader import SeedableRandomSampler
+    from torch.utils.data import RandomSampler
+
+    batch_sampler = getattr(data_loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if type(sampler) is RandomSampler:
+        batch_sampler.sampler = SeedableRandomSampler(
+            data_source=sampler.data_source, replacement=sampler.replacement, num_samples=sampler._num_samples,
+            generator=sampler.generator, data_seed=accelerator.dataloader_config.data_seed)
+

@@ -1,0 +1,153 @@
+"""prepare_trainer: HF Trainer and TRL SFTTrainer under every mode train exactly like the
+unpatched single-process Trainer on the same data and seed (per-step losses, eval loss,
+final weights), with padded and packed collators, gradient accumulation 2, data-parallel
+groups (world 4, sp_size 2) and resume from a mid-run checkpoint.
+
+fp32 tolerances: losses and eval loss 1e-5, weights 1e-6 (measured: at most 1e-6 and 1e-8).
+The runs use SGD (lr 0.5) so that a weight difference is a gradient difference times lr;
+Adam would turn last-bit differences of near-zero gradients into steps of up to its lr.
+"""
+
+import functools
+import tempfile
+
+import pytest
+import torch
+
+import easy_context as ec
+from distributed import run_ranks
+from trainer_runs import tiny_llama, train, train_and_resume
+
+STEPS = 3
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-6
+BASE = dict(batch=2, accumulate=2, steps=STEPS)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(collator: str, batch: int, sft: bool = False, bf16: bool = False) -> dict:
+    """The unpatched Trainer in one process. batch 4 stands for two data-parallel groups of
+    batch 2 (in training and, token-weighted as the Trainer weighs them, in evaluation)."""
+    with tempfile.TemporaryDirectory() as out:
+        spec = dict(BASE, mode=None, collator=collator, batch=batch, eval_batch=batch, out=out, sft=sft, bf16=bf16)
+        return run_ranks(train, 1, spec, timeout=240)[0]
+
+
+def _differences(result: dict, reference: dict) -> tuple[float, float, float]:
+    assert len(result["losses"]) == len(reference["losses"]) > 0, (result["losses"], reference["losses"])
+    loss = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"]))
+    eval_loss = abs(result["eval_loss"] - reference["eval_loss"])
+    weights = max((result["weights"][k] - w).abs().max().item() for k, w in reference["weights"].items())
+    return loss, eval_loss, weights
+
+
+def _assert_exact(results: list, reference: dict) -> None:
+    for rank, result in enumerate(results):
+        loss, eval_loss, weights = _differences(result, reference)
+        assert loss <= LOSS_TOL and eval_loss <= LOSS_TOL and weights <= WEIGHT_TOL, (
+            f"rank {rank}: loss diff {loss:.2e}, eval loss diff {eval_loss:.2e}, weight diff {weights:.2e}; "
+            f"losses {result['losses']} vs {reference['losses']}"
+        )
+
+
+def _run(world: int, mode: str, collator: str, timeout: float = 240, **spec) -> list:
+    with tempfile.TemporaryDirectory() as out:
+        return run_ranks(train, world, dict(BASE, mode=mode, collator=collator, out=out, **spec), timeout=timeout)
+
+
+MODES = [
+    ("zigzag_ring_attn", {}),
+    ("dist_flash_attn", {}),
+    ("ulysses_attn", {}),
+    ("usp_attn", {"ring_degree": 2}),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collator", ["padded", "packed"])
+@pytest.mark.parametrize("mode,options", MODES, ids=[m for m, _ in MODES])
+def test_trainer_matches_single_process(mode, options, collator):
+    """P=2; row lengths that no layout divides (padded internally); GA 2; eval loss."""
+    _assert_exact(_run(2, mode, collator, options=options), _reference(collator, batch=2))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode,collator,options,reference_batch", [
+    ("zigzag_ring_attn", "padded", {"sp_size": 2}, 4),  # 2 data-parallel groups of 2: the reference reads both batches
+    ("usp_attn", "packed", {"sp_size": 4, "ring_degree": 2}, 2),  # Ulysses x ring over 4 ranks
+], ids=["dp2-sp2-zigzag", "sp4-usp"])
+def test_trainer_world_4(mode, collator, options, reference_batch):
+    _assert_exact(_run(4, mode, collator, timeout=360, options=options), _reference(collator, batch=reference_batch))
+
+
+@pytest.mark.timeout(300)
+def test_trainer_left_padding_and_document_split():
+    """Left-padded rows, and packed rows under document_split (a layout per row)."""
+    _assert_exact(_run(2, "zigzag_ring_attn", "left-padded"), _reference("left-padded", batch=2))
+    _assert_exact(_run(2, "dist_flash_attn", "packed", options={"document_split": True}), _reference("packed", batch=2))
+
+
+@pytest.mark.timeout(300)
+def test_trainer_resume_from_checkpoint():
+    """save_steps=2, then a new Trainer resumes from checkpoint-2: the same step-3 loss and
+    final weights as the single-process run without interruption."""
+    with tempfile.TemporaryDirectory() as out:
+        spec = dict(BASE, mode="zigzag_ring_attn", collator="padded", out=out, save_steps=2)
+        results = run_ranks(train_and_resume, 2, spec, timeout=280)
+    reference = _reference("padded", batch=2)
+    for result in results:
+        _assert_exact([result["whole"]], reference)
+        resumed = result["resumed"]
+        assert resumed["losses"] == pytest.approx(reference["losses"][2:], abs=LOSS_TOL)
+        _, _, weights = _differences(dict(resumed, losses=reference["losses"]), reference)
+        assert weights <= WEIGHT_TOL
+
+
+@pytest.mark.timeout(300)
+def test_sft_trainer_with_packing():
+    """TRL's SFTTrainer, packing=True (best-fit packing, padding-free rows with position_ids)."""
+    pytest.importorskip("trl", reason="TRL is in the test extras; install it with pip install -e '.[test]'")
+    _assert_exact(_run(2, "zigzag_ring_attn", "packed", sft=True), _reference("packed", batch=2, sft=True))
+
+
+@pytest.mark.timeout(300)
+def test_sft_trainer_bf16_close_to_single_process():
+    """bf16 autocast (SFTConfig's default on GPUs): per-step losses within 2e-3 of the bf16
+    single-process run (measured 4e-5)."""
+    pytest.importorskip("trl", reason="TRL is in the test extras")
+    results = _run(2, "ulysses_attn", "packed", sft=True, bf16=True)
+    reference = _reference("packed", batch=2, sft=True, bf16=True)
+    for result in results:
+        loss, eval_loss, _ = _differences(result, reference)
+        assert loss <= 2e-3 and eval_loss <= 2e-3, (loss, eval_loss)
+
+
+# ------------------------------------------------------------------ clear errors (one process)
+def _trainer(**args):
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as out:
+        return Trainer(model=tiny_llama(), args=TrainingArguments(output_dir=out, use_cpu=True, report_to=[], **args))
+
+
+def test_prepare_trainer_refuses_what_it_cannot_do_exactly():
+    try:
+        with pytest.raises(ValueError, match="label_smoothing_factor=0.1"):
+            ec.prepare_trainer("zigzag_ring_attn", _trainer(label_smoothing_factor=0.1))
+        trainer = ec.prepare_trainer("zigzag_ring_attn", _trainer())
+        with pytest.raises(ValueError, match="already called"):
+            ec.prepare_trainer("zigzag_ring_attn", trainer)
+        ids = torch.ones(1, 8, dtype=torch.long)
+        with pytest.raises(ValueError, match="'token_type_ids' has a value per token"):
+            trainer._seq_parallel.shard({"input_ids": ids, "token_type_ids": ids})
+        with pytest.raises(ValueError, match="without position_ids"):
+            trainer._seq_parallel.shard({"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 8])})
+        with pytest.raises(ValueError, match="sp_size=3 does not divide"):
+            ec.prepare_trainer("ulysses_attn", _trainer(), sp_size=3)
+    finally:
+        ec.remove_seq_parallel_monkey_patch()
+
+
+def test_prepare_trainer_data_parallel_leaves_the_trainer_alone():
+    trainer = _trainer()
+    cls = type(trainer)
+    assert ec.prepare_trainer("data_parallel", trainer) is trainer and type(trainer) is cls

@@ -1,0 +1,115 @@
+"""One HF Trainer run on tiny data, for tests/test_trainer.py (importable by spawned ranks).
+
+`train(rank, world, spec)` trains a tiny Llama with transformers.Trainer (or TRL's
+SFTTrainer) and returns the per-step losses, the eval loss and the final weights. With
+spec["mode"] None it is the reference: the unpatched model in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+VOCAB = 260  # the byte tokenizer's 257 ids (256 = EOS, also the pad token) and a little room
+
+
+def documents(count: int, seed: int) -> list[list[int]]:
+    """Documents of 9-70 tokens (lengths that no layout divides), each ending with EOS."""
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(8, 70))] + [256] for _ in range(count)]
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def tokenizer(padding_side: str = "right"):
+    from easy_context.data import byte_tokenizer
+
+    result = byte_tokenizer()
+    result.pad_token, result.padding_side = result.eos_token, padding_side
+    return result
+
+
+def collator(kind: str):
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening
+
+    if kind == "packed":
+        return DataCollatorWithFlattening()  # one row per batch, position_ids restart per document
+    return DataCollatorForLanguageModeling(tokenizer("left" if kind == "left-padded" else "right"), mlm=False)
+
+
+class SeededShuffle:
+    """The reference's shuffling: the rule prepare_trainer (and accelerate, when it shards a
+    loader) follows: SeedableRandomSampler seeded with the run's seed, plus the epoch."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        from accelerate.data_loader import SeedableRandomSampler
+
+        return SeedableRandomSampler(data_source=train_dataset or self.train_dataset, data_seed=self.args.seed)
+
+
+def _as_distributed(rank: int, world: int) -> None:
+    """accelerate reads the launcher's variables; the process group already exists."""
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+
+
+def train(rank: int, world: int, spec: dict) -> dict:
+    """spec: mode, options, collator, batch, accumulate, steps, out, save_steps, resume, sft."""
+    _as_distributed(rank, world)
+    from datasets import Dataset
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import easy_context as ec
+
+    losses = []
+
+    class RecordLoss(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    train_set = Dataset.from_dict({"input_ids": documents(48, seed=1)})
+    eval_set = Dataset.from_dict({"input_ids": documents(8, seed=2)})
+    common = dict(
+        output_dir=spec["out"], per_device_train_batch_size=spec["batch"], per_device_eval_batch_size=spec.get("eval_batch", 2),
+        gradient_accumulation_steps=spec["accumulate"], max_steps=spec["steps"], learning_rate=0.5, optim="sgd",
+        lr_scheduler_type="linear", warmup_steps=0, logging_steps=1, save_steps=spec.get("save_steps") or spec["steps"] + 1,
+        save_strategy="steps" if spec.get("save_steps") else "no", report_to=[], use_cpu=True, seed=7,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    model = tiny_llama()
+    if spec.get("sft"):
+        from trl import SFTConfig, SFTTrainer
+
+        config = SFTConfig(**common, packing=spec["collator"] == "packed", max_length=256, bf16=spec.get("bf16", False))
+        trainer_class = SFTTrainer if spec["mode"] else type("ReferenceSFTTrainer", (SeededShuffle, SFTTrainer), {})
+        trainer = trainer_class(model=model, args=config, train_dataset=train_set, eval_dataset=eval_set,
+                                processing_class=tokenizer(), callbacks=[RecordLoss()])
+    else:
+        trainer_class = Trainer if spec["mode"] else type("ReferenceTrainer", (SeededShuffle, Trainer), {})
+        trainer = trainer_class(model=model, args=TrainingArguments(**common), train_dataset=train_set, eval_dataset=eval_set,
+                          data_collator=collator(spec["collator"]), callbacks=[RecordLoss()])
+    if spec["mode"] is not None:
+        ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    eval_loss = trainer.evaluate()["eval_loss"]
+    ec.remove_seq_parallel_monkey_patch()
+    weights = {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
+    return {"losses": losses, "eval_loss": eval_loss, "weights": weights}
+
+
+def train_and_resume(rank: int, world: int, spec: dict) -> dict:
+    """Train with a checkpoint at step spec["save_steps"], then train again from it."""
+    whole = train(rank, world, spec)
+    resumed = train(rank, world, dict(spec, save_steps=None, resume=f"{spec['out']}/checkpoint-{spec['save_steps']}"))
+    return {"whole": whole, "resumed": resumed}
