@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import hf
-from .api import _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
+from .api import _options, _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
 from .modes import get_mode
 from .process_groups import get_groups
 
@@ -54,10 +54,13 @@ def prepare_trainer(mode: str, trainer, **options):
     model_type = getattr(getattr(trainer.model, "config", None), "model_type", None)
     if model_type is None:
         raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
+    if resolved.attention is not None:
+        _check_supported(trainer)
+    # Options not given default to an active patch's for this mode (and may not contradict them).
+    options = {k: v for k, v in _options("prepare_trainer", resolved, options).items() if v is not None}
     apply_seq_parallel_monkey_patch(mode, model_type, **options)
     if resolved.attention is None:  # data_parallel: the Trainer already is one
         return trainer
-    _check_supported(trainer)
     topology, resolved_options = _topology("prepare_trainer", resolved, trainer.accelerator.num_processes, options)
     trainer.__class__ = _seq_parallel_class(type(trainer))
     trainer._seq_parallel = _Batches(mode, topology, resolved_options)
@@ -94,7 +97,7 @@ class SeqParallelTrainerMixin:
                 loss = loss_sum * batches.topology.dp_size / (num_items_in_batch / batches.topology.sp_size)
             else:
                 loss = loss_sum / count.clamp(min=1)
-            if return_outputs and self._needs_logits():
+            if return_outputs and batches.keep_logits:
                 outputs = batches.gather_logits(outputs, local, row_length)
             return (loss, outputs) if return_outputs else loss
         if num_items_in_batch is None:
@@ -103,8 +106,21 @@ class SeqParallelTrainerMixin:
         # Counted over whole rows on each of the SP group's ranks.
         return super().compute_loss(model, local, return_outputs, num_items_in_batch / batches.topology.sp_size)
 
-    def _needs_logits(self) -> bool:
-        return self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None
+    @property
+    def gather_function(self):
+        """What the evaluation loop gathers results with: every rank of an SP group holds the
+        same losses, labels and (gathered) logits, so keep each group's once."""
+        return self._seq_parallel.gather_once_per_sp_group
+
+    @gather_function.setter
+    def gather_function(self, value):
+        pass  # the Trainer sets accelerate's gather_for_metrics again after each evaluation loop
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Logits are gathered back to whole rows only when the caller keeps them (predict(),
+        # evaluate() with compute_metrics): the gather costs sp_size x the local logits.
+        self._seq_parallel.keep_logits = not prediction_loss_only
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,6 +135,7 @@ class _Batches:
         self.mode, self.topology = mode, topology
         self.options = {k: v for k, v in options.items() if v is not None}
         self.layout = get_mode(mode).layout(topology)
+        self.keep_logits = False
 
     def shard(self, inputs: dict) -> tuple[dict, int]:
         """(this rank's model inputs, the row length before internal padding)."""
@@ -160,6 +177,23 @@ class _Batches:
             result["seq_parallel_index"] = local["local_token_index"]
         return result, length
 
+    def gather_once_per_sp_group(self, data, use_gather_object=False):
+        """accelerate's gather_for_metrics over the data-parallel groups: SP rank 0's results
+        of each group, with the tail that evened out the groups' batches dropped."""
+        from accelerate.state import GradientState
+        from accelerate.utils import gather, recursively_apply
+
+        if use_gather_object:
+            raise ValueError("prepare_trainer: eval_use_gather_object=True is not supported; evaluation results must be tensors")
+        dp, sp = self.topology.dp_size, self.topology.sp_size
+        state = GradientState()
+
+        def one_per_group(x):
+            x = x.reshape(dp, sp, -1, *x.shape[1:])[:, 0].flatten(0, 1)
+            return x[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else x
+
+        return recursively_apply(one_per_group, gather(data))
+
     def _sp_group(self):
         return get_groups(self.topology).sp
 
@@ -187,7 +221,6 @@ def _read_by_sp_group(trainer, topology) -> None:
     """The trainer's dataloaders, prepared by accelerate as if there were dp_size processes:
     batch i goes to data-parallel group i % dp_size, read by every rank of the group."""
     from accelerate.data_loader import prepare_data_loader
-    from accelerate.utils import recursively_apply
 
     accelerator = trainer.accelerator
     register = accelerator.prepare_data_loader  # for an already prepared loader it only records it
@@ -211,26 +244,6 @@ def _read_by_sp_group(trainer, topology) -> None:
         return register(data_loader)
 
     accelerator.prepare_data_loader = prepare_for_sp_groups
-
-    def gather_once_per_sp_group(data, use_gather_object=False):
-        """accelerate's gather_for_metrics, over the data-parallel groups: every rank of an SP
-        group holds the same evaluation results, so keep SP rank 0's."""
-        if use_gather_object:
-            raise ValueError("prepare_trainer: evaluation results must be tensors")
-        gathered = accelerator.gather(data)
-        state = accelerator.gradient_state
-
-        def one_per_group(x):
-            if x.dim() == 0:
-                return x
-            x = x.reshape(topology.dp_size, topology.sp_size, -1, *x.shape[1:])[:, 0].flatten(0, 1)
-            if state.end_of_dataloader and state.remainder > 0:
-                x = x[: state.remainder]
-            return x
-
-        return recursively_apply(one_per_group, gathered)
-
-    trainer.gather_function = gather_once_per_sp_group
 
 
 def _seed_shuffling(data_loader, accelerator) -> None:

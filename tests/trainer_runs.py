@@ -103,9 +103,11 @@ def train(rank: int, world: int, spec: dict) -> dict:
         ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     eval_loss = trainer.evaluate()["eval_loss"]
+    predicted = trainer.predict(eval_set)  # logits of whole rows; padding's are meaningless
+    predictions = torch.as_tensor(predicted.predictions) * torch.as_tensor(predicted.label_ids != -100).unsqueeze(-1)
     ec.remove_seq_parallel_monkey_patch()
     weights = {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
-    return {"losses": losses, "eval_loss": eval_loss, "weights": weights}
+    return {"losses": losses, "eval_loss": eval_loss, "weights": weights, "predictions": predictions}
 
 
 def train_and_resume(rank: int, world: int, spec: dict) -> dict:
