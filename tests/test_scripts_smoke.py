@@ -87,3 +87,25 @@ def test_bench_attention_masked_smoke(tmp_path):
     old = subprocess.run([sys.executable, script, "--from-csv", str(old_csv)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert [r[-3] for r in table_rows(old)[1:]] == ["causal", "causal"] and "masked rows" not in old
+
+
+@pytest.mark.timeout(200)
+def test_bench_replica_check_smoke():
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "scripts" / "bench_replica_check.py"), "--seq-lengths", "256", "--steps", "2"],
+                         capture_output=True, text=True, timeout=190)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    header, *rows = table_rows(out.stdout)
+    assert header[0] == "seq len" and [r[0] for r in rows] == ["256"] and float(rows[0][1]) > 0
+    assert "one check" in out.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("flags", [[], ["--sft", "--mode", "ulysses_attn"]], ids=["trainer", "sft"])
+def test_hf_trainer_example(tmp_path, flags):
+    """examples/hf_trainer.py: the README's Trainer script, 2 steps on 2 CPU processes."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "examples" / "hf_trainer.py"), "--max-steps", "2", "--output-dir", str(tmp_path), *flags],
+                         capture_output=True, text=True, timeout=190)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "'eval_loss'" in out.stdout
