@@ -22,11 +22,25 @@ def make_accelerator(**kwargs):
     from accelerate.utils import InitProcessGroupKwargs
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if torch.cuda.is_available() or not launched:
-        return Accelerator(**kwargs)
-    if _deepspeed_requested(kwargs):
-        return Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **kwargs)
-    return Accelerator(cpu=True, **kwargs)
+    if not launched or _has_accelerator():
+        accelerator = Accelerator(**kwargs)
+    elif _deepspeed_requested(kwargs):
+        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **kwargs)
+    else:
+        kwargs.setdefault("cpu", True)
+        accelerator = Accelerator(**kwargs)
+    if launched and accelerator.distributed_type.name == "NO":
+        raise RuntimeError(f"accelerate runs each of the {os.environ['WORLD_SIZE']} processes on its own "
+                           "(DistributedType.NO): gradients would never be averaged")
+    return accelerator
+
+
+def _has_accelerator() -> bool:
+    """CUDA, or another device torch knows (XPU, NPU, ...): accelerate picks its backend."""
+    if torch.cuda.is_available():
+        return True
+    device_api = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return bool(device_api is not None and device_api.is_available())
 
 
 def _deepspeed_requested(kwargs) -> bool:

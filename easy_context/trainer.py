@@ -11,12 +11,16 @@ evaluation, checkpoints, resume); four things change, each for a reason:
            boundaries. Rows are padded internally (masked, label -100) to a length the
            layout can split.
   loss     The Trainer counts num_items_in_batch over whole rows, on each of the sp_size
-           ranks that hold them; divided by sp_size it is the true count, and each rank's
-           loss is its share of the token-weighted mean over the SP group (and, with
-           average_tokens_across_devices, over every group).
+           ranks that hold them, so it is divided by sp_size: each rank's loss is then its
+           share of the token-weighted mean over the SP group, and gradient averaging over
+           the ranks (DDP, DeepSpeed) gives the single process's gradient. With
+           average_tokens_across_devices the count covers every group, as in plain DDP.
   eval     A batch's loss is its SP group's token-weighted mean; logits are gathered back
-           to whole rows when compute_metrics needs them, and results are gathered once
-           per SP group.
+           to whole rows when predict() or compute_metrics keeps them, and results are
+           gathered once per SP group.
+Every batch is also checked to be the same on every rank of the SP group (one all-gather
+of four numbers): a sampler or dataset that hands ranks different rows would otherwise
+stitch unrelated shards into one sequence.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ def prepare_trainer(mode: str, trainer, **options):
         raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
     if resolved.attention is not None:
         _check_supported(trainer)
+        if hf.world_size() > 1 and trainer.accelerator.distributed_type.name == "NO":
+            raise ValueError(f"the trainer's accelerator runs each of the {hf.world_size()} processes on its own "
+                             "(DistributedType.NO: no DDP, gradients never averaged); on a machine without CUDA "
+                             "create the trainer with TrainingArguments(use_cpu=True)")
     # Options not given default to an active patch's for this mode (and may not contradict them).
     options = {k: v for k, v in _options("prepare_trainer", resolved, options).items() if v is not None}
     apply_seq_parallel_monkey_patch(mode, model_type, **options)
@@ -71,6 +79,12 @@ def prepare_trainer(mode: str, trainer, **options):
 
 def _check_supported(trainer) -> None:
     args = trainer.args
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise ValueError("train_sampling_strategy='batch_rebalance' is not supported by prepare_trainer (its sampler "
+                         "gives every process its own batch; an SP group needs one); use 'random' or 'group_by_length'")
+    if getattr(args, "eval_use_gather_object", False):
+        raise ValueError("eval_use_gather_object=True is not supported by prepare_trainer; evaluation results must "
+                         "be tensors")
     if getattr(args, "label_smoothing_factor", 0):
         raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} is not supported by prepare_trainer "
                          "(the label smoother shifts labels after sharding); set it to 0")
@@ -88,13 +102,14 @@ class SeqParallelTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batches: _Batches = self._seq_parallel
         local, row_length = batches.shard(inputs)
-        if not torch.is_grad_enabled():  # evaluation: each rank's loss is the mean over its own tokens
+        if not model.training:  # evaluation: each rank's loss is the mean over its own tokens
             result = super().compute_loss(model, local, return_outputs, None)
             loss, outputs = result if return_outputs else (result, None)
             loss_sum, count = batches.group_sum(loss, local.get("shift_labels"))
             if num_items_in_batch is not None and self.args.average_tokens_across_devices:
                 # As the Trainer weighs data-parallel batches: by their share of every group's tokens.
-                loss = loss_sum * batches.topology.dp_size / (num_items_in_batch / batches.topology.sp_size)
+                every_group = torch.as_tensor(num_items_in_batch / batches.topology.sp_size).clamp(min=1)
+                loss = loss_sum * batches.topology.dp_size / every_group
             else:
                 loss = loss_sum / count.clamp(min=1)
             if return_outputs and batches.keep_logits:
@@ -120,6 +135,10 @@ class SeqParallelTrainerMixin:
         # Logits are gathered back to whole rows only when the caller keeps them (predict(),
         # evaluate() with compute_metrics): the gather costs sp_size x the local logits.
         self._seq_parallel.keep_logits = not prediction_loss_only
+        if not any(inputs.get(name) is not None for name in (*self.label_names, "shift_labels")):
+            # The Trainer would call the model on whole rows, bypassing compute_loss (and the sharding).
+            raise ValueError("prepare_trainer: evaluate()/predict() batches need labels (the Trainer runs label-less "
+                             "batches outside compute_loss, unsharded)")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
@@ -151,6 +170,7 @@ class _Batches:
         if any(key in inputs for key in RESTATED_KEYS) and inputs.get("position_ids") is None:
             raise ValueError(f"prepare_trainer: {[k for k in RESTATED_KEYS if k in inputs]} without position_ids; "
                              "packed batches must carry position_ids restarting at each document")
+        self._check_same_batch(input_ids)
         targets = inputs.get("shift_labels")
         if targets is None and inputs.get("labels") is not None:
             targets = F.pad(inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -176,6 +196,23 @@ class _Batches:
         if "local_token_index" in local:
             result["seq_parallel_index"] = local["local_token_index"]
         return result, length
+
+    def _check_same_batch(self, input_ids: torch.Tensor) -> None:
+        """Every rank of the SP group must hold the same rows (one all-gather of 4 numbers)."""
+        group = self._sp_group()
+        if group is None:
+            return
+        ids = input_ids.long()
+        weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)
+        mine = torch.stack([torch.tensor(ids.shape[0], device=ids.device), torch.tensor(ids.shape[1], device=ids.device),
+                            ids.sum(), (ids * weights).sum()])
+        every = [torch.empty_like(mine) for _ in range(self.topology.sp_size)]
+        dist.all_gather(every, mine, group=group)
+        if any(not torch.equal(other, every[0]) for other in every):
+            shapes = [tuple(int(v) for v in other[:2]) for other in every]
+            raise ValueError(f"the ranks of a sequence-parallel group got different batches (rows x length by SP rank: "
+                             f"{shapes}); every rank of a group must read the same rows. A sampler or dataset that "
+                             "depends on the process rank (or draws from each process's own random state) causes this.")
 
     def gather_once_per_sp_group(self, data, use_gather_object=False):
         """accelerate's gather_for_metrics over the data-parallel groups: SP rank 0's results
@@ -209,6 +246,10 @@ class _Batches:
         return stats[0], stats[1]
 
     def gather_logits(self, outputs, local: dict, row_length: int):
+        others = [key for key, value in outputs.items() if key not in ("loss", "logits") and value is not None]
+        if others:
+            raise ValueError(f"prepare_trainer: predict()/compute_metrics would get {others} of this rank's shard only; "
+                             "only logits are gathered back to whole rows")
         logits = getattr(outputs, "logits", None)
         if logits is not None:
             whole = gather_seq_parallel_outputs(self.mode, logits.detach(), dim=1, token_index=local.get("seq_parallel_index"),
@@ -221,6 +262,7 @@ def _read_by_sp_group(trainer, topology) -> None:
     """The trainer's dataloaders, prepared by accelerate as if there were dp_size processes:
     batch i goes to data-parallel group i % dp_size, read by every rank of the group."""
     from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import IterableDataset
 
     accelerator = trainer.accelerator
     register = accelerator.prepare_data_loader  # for an already prepared loader it only records it
@@ -228,8 +270,13 @@ def _read_by_sp_group(trainer, topology) -> None:
 
     def prepare_for_sp_groups(data_loader, device_placement=None, slice_fn_for_dispatch=None):
         if not getattr(data_loader, "_is_accelerate_prepared", False):
-            if topology.dp_size == 1:
-                _seed_shuffling(data_loader, accelerator)
+            if topology.dp_size > 1 and isinstance(data_loader.dataset, IterableDataset):
+                # accelerate evens out iterable shards by repeating samples, and only its
+                # dispatcher (which slices over every process) knows how many to drop.
+                raise ValueError("prepare_trainer: an IterableDataset (streaming) with several data-parallel groups "
+                                 f"(dp_size={topology.dp_size}) is not supported; use a map-style dataset or sp_size = world size")
+            _seed_shuffling(data_loader, accelerator)
+            _seed_workers_by_group(data_loader, dp_rank)
             data_loader = prepare_data_loader(
                 data_loader, accelerator.device, num_processes=topology.dp_size, process_index=dp_rank,
                 split_batches=accelerator.split_batches,
@@ -247,17 +294,19 @@ def _read_by_sp_group(trainer, topology) -> None:
 
 
 def _seed_shuffling(data_loader, accelerator) -> None:
-    """Every rank of the SP group must draw the same order. accelerate seeds shuffling only
-    when it shards a loader over several processes (here dp_size > 1); with one data-parallel
-    group we use the same rule: SeedableRandomSampler, seeded by data_seed or the process
-    seed, plus the epoch."""
-    from accelerate.data_loader import SeedableRandomSampler
-    from torch.utils.data import RandomSampler
+    """Every rank of an SP group must draw the same order. A sampler without a generator
+    draws its order from the process's own random state; accelerate synchronises that only
+    across the processes it shards over (or replaces a RandomSampler by its seeded one), so
+    give it a generator seeded as accelerate seeds: data_seed, else the process seed."""
+    sampler = getattr(getattr(data_loader, "batch_sampler", None), "sampler", None)
+    if sampler is not None and hasattr(sampler, "generator") and sampler.generator is None:
+        seed = accelerator.dataloader_config.data_seed
+        sampler.generator = torch.Generator().manual_seed(torch.random.initial_seed() if seed is None else seed)
 
-    batch_sampler = getattr(data_loader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None)
-    if type(sampler) is RandomSampler:
-        batch_sampler.sampler = SeedableRandomSampler(
-            data_source=sampler.data_source, replacement=sampler.replacement, num_samples=sampler._num_samples,
-            generator=sampler.generator, data_seed=accelerator.dataloader_config.data_seed)
 
+def _seed_workers_by_group(data_loader, dp_rank: int) -> None:
+    """The Trainer seeds dataloader workers by process rank; ranks of one SP group must apply
+    the same random transforms, so seed them by data-parallel group."""
+    init = data_loader.worker_init_fn
+    if isinstance(init, functools.partial) and "rank" in init.keywords:
+        data_loader.worker_init_fn = functools.partial(init.func, *init.args, **{**init.keywords, "rank": dp_rank})

@@ -64,6 +64,7 @@ def main():
 
     trainer.train()
     print(trainer.evaluate())
+    trainer.accelerator.end_training()  # tear the process groups down before the interpreter exits
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 
 import easy_context as ec
 from distributed import run_ranks
-from trainer_runs import tiny_llama, train, train_and_resume
+from trainer_runs import misuse, tiny_llama, train, train_and_resume
 
 STEPS = 3
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-6
@@ -146,10 +146,42 @@ def test_prepare_trainer_refuses_what_it_cannot_do_exactly():
             trainer._seq_parallel.shard({"input_ids": ids, "token_type_ids": ids})
         with pytest.raises(ValueError, match="without position_ids"):
             trainer._seq_parallel.shard({"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 8])})
+        with pytest.raises(ValueError, match="need labels"):
+            trainer.prediction_step(trainer.model, {"input_ids": ids}, prediction_loss_only=True)
         with pytest.raises(ValueError, match="sp_size=3 does not divide"):
             ec.prepare_trainer("ulysses_attn", _trainer(), sp_size=3)
+        with pytest.raises(ValueError, match="batch_rebalance"):
+            ec.prepare_trainer("ulysses_attn", _trainer(train_sampling_strategy="batch_rebalance"))
+        with pytest.raises(ValueError, match="eval_use_gather_object"):
+            ec.prepare_trainer("ulysses_attn", _trainer(eval_use_gather_object=True))
     finally:
         ec.remove_seq_parallel_monkey_patch()
+
+
+def test_streaming_data_with_several_dp_groups_is_refused():
+    """accelerate evens iterable shards out by repeating samples; with dp > 1 we could not drop them."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from easy_context.process_groups import Topology
+    from easy_context.trainer import _read_by_sp_group
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(prepare_data_loader=None, process_index=0))
+    _read_by_sp_group(trainer, Topology(world_size=4, sp_size=2, ring_degree=1))
+    with pytest.raises(ValueError, match=r"IterableDataset \(streaming\) with several data-parallel groups \(dp_size=2\)"):
+        trainer.accelerator.prepare_data_loader(DataLoader(Stream()))
+
+
+@pytest.mark.timeout(150)
+def test_trainer_misuse_on_two_ranks():
+    for errors in run_ranks(misuse, 2, timeout=140):
+        assert "use_cpu=True" in errors["use_cpu=False"] and "use_cpu=True" not in errors
+        assert "got different batches" in errors["different rows"] and "[(1, 16), (1, 16)]" in errors["different rows"]
 
 
 def test_prepare_trainer_data_parallel_leaves_the_trainer_alone():

@@ -115,3 +115,30 @@ def train_and_resume(rank: int, world: int, spec: dict) -> dict:
     whole = train(rank, world, spec)
     resumed = train(rank, world, dict(spec, save_steps=None, resume=f"{spec['out']}/checkpoint-{spec['save_steps']}"))
     return {"whole": whole, "resumed": resumed}
+
+
+def misuse(rank: int, world: int) -> dict:
+    """What prepare_trainer says to setups it cannot make exact (2 ranks): a Trainer without
+    DDP, and ranks of one SP group handed different rows."""
+    _as_distributed(rank, world)
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    import easy_context as ec
+
+    errors = {}
+    with tempfile.TemporaryDirectory() as out:
+        for use_cpu in (False, True):
+            trainer = Trainer(model=tiny_llama(), args=TrainingArguments(output_dir=out, use_cpu=use_cpu, report_to=[]))
+            try:
+                ec.prepare_trainer("zigzag_ring_attn", trainer)
+            except ValueError as error:
+                errors[f"use_cpu={use_cpu}"] = str(error)
+    ids = torch.arange(16).reshape(1, 16) + rank  # rank-dependent rows
+    try:
+        trainer._seq_parallel.shard({"input_ids": ids, "labels": ids})
+    except ValueError as error:
+        errors["different rows"] = str(error)
+    ec.remove_seq_parallel_monkey_patch()
+    return errors
