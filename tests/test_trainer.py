@@ -109,8 +109,8 @@ def test_trainer_resume_from_checkpoint():
 
 @pytest.mark.timeout(300)
 def test_sft_trainer_with_packing():
-    """TRL's SFTTrainer, packing=True (best-fit packing, padding-free rows with position_ids)."""
-    pytest.importorskip("trl", reason="TRL is in the test extras; install it with pip install -e '.[test]'")
+    """TRL's SFTTrainer, packing=True (best-fit packing, padding-free rows with position_ids).
+    TRL is a test dependency (pyproject's test extra): no skip when it is missing."""
     _assert_exact(_run(2, "zigzag_ring_attn", "packed", sft=True), _reference("packed", batch=2, sft=True))
 
 
@@ -118,7 +118,6 @@ def test_sft_trainer_with_packing():
 def test_sft_trainer_bf16_close_to_single_process():
     """bf16 autocast (SFTConfig's default on GPUs): per-step losses within 2e-3 of the bf16
     single-process run (measured 4e-5)."""
-    pytest.importorskip("trl", reason="TRL is in the test extras")
     results = _run(2, "ulysses_attn", "packed", sft=True, bf16=True)
     reference = _reference("packed", batch=2, sft=True, bf16=True)
     for result in results:
