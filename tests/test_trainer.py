@@ -108,10 +108,12 @@ def test_trainer_resume_from_checkpoint():
 
 
 @pytest.mark.timeout(300)
-def test_sft_trainer_with_packing():
-    """TRL's SFTTrainer, packing=True (best-fit packing, padding-free rows with position_ids).
+@pytest.mark.parametrize("collation", ["packed", "padding-free"])
+def test_sft_trainer(collation):
+    """TRL's SFTTrainer with packing=True (best-fit packing into padding-free rows with
+    position_ids), or padding_free=True alone (each batch flattened into one row).
     TRL is a test dependency (pyproject's test extra): no skip when it is missing."""
-    _assert_exact(_run(2, "zigzag_ring_attn", "packed", sft=True), _reference("packed", batch=2, sft=True))
+    _assert_exact(_run(2, "zigzag_ring_attn", collation, sft=True), _reference(collation, batch=2, sft=True))
 
 
 @pytest.mark.timeout(300)

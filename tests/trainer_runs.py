@@ -91,7 +91,8 @@ def train(rank: int, world: int, spec: dict) -> dict:
     if spec.get("sft"):
         from trl import SFTConfig, SFTTrainer
 
-        config = SFTConfig(**common, packing=spec["collator"] == "packed", max_length=256, bf16=spec.get("bf16", False))
+        config = SFTConfig(**common, packing=spec["collator"] == "packed", padding_free=spec["collator"] == "padding-free",
+                           max_length=None if spec["collator"] == "padding-free" else 256, bf16=spec.get("bf16", False))
         trainer_class = SFTTrainer if spec["mode"] else type("ReferenceSFTTrainer", (SeededShuffle, SFTTrainer), {})
         trainer = trainer_class(model=model, args=config, train_dataset=train_set, eval_dataset=eval_set,
                                 processing_class=tokenizer(), callbacks=[RecordLoss()])
