@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import hf
-from .api import _options, _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
+from .api import _all_gather, _options, _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
 from .modes import get_mode
 from .process_groups import get_groups
 
@@ -199,15 +199,13 @@ class _Batches:
 
     def _check_same_batch(self, input_ids: torch.Tensor) -> None:
         """Every rank of the SP group must hold the same rows (one all-gather of 4 numbers)."""
-        group = self._sp_group()
-        if group is None:
+        groups = get_groups(self.topology)
+        if groups.sp is None:
             return
         ids = input_ids.long()
         weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)
-        mine = torch.stack([torch.tensor(ids.shape[0], device=ids.device), torch.tensor(ids.shape[1], device=ids.device),
-                            ids.sum(), (ids * weights).sum()])
-        every = [torch.empty_like(mine) for _ in range(self.topology.sp_size)]
-        dist.all_gather(every, mine, group=group)
+        mine = torch.stack([ids.new_tensor(ids.shape[0]), ids.new_tensor(ids.shape[1]), ids.sum(), (ids * weights).sum()])
+        every = _all_gather(mine, self.topology, groups)
         if any(not torch.equal(other, every[0]) for other in every):
             shapes = [tuple(int(v) for v in other[:2]) for other in every]
             raise ValueError(f"the ranks of a sequence-parallel group got different batches (rows x length by SP rank: "
