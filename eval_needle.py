@@ -29,7 +29,8 @@ import torch
 import easy_context as ec
 from easy_context.data import embedded_prose
 from easy_context.evaluation import load_scorer, resolve_model
-from easy_context.launch import fail as launch_fail, make_accelerator
+from easy_context.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from easy_context.launch import fail as launch_fail
 from easy_context.modes import get_mode
 from easy_context.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
 from easy_context.plots import needle_heatmap
@@ -64,6 +65,7 @@ def parse_args(argv=None):
     flag("output_dir", default="outputs/eval")
     flag("seed", type=int, default=42)
     flag("hide_progress", action="store_true")
+    add_dist_timeout_flag(p)
     args = p.parse_args(argv)
 
     errors = []
@@ -135,11 +137,14 @@ def evaluate_prompt(scorer, tokenizer, prompt) -> dict:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    return run_job("eval_needle.py", run_sweep, parse_args(argv))
+
+
+def run_sweep(args, accelerator, stage: Stage) -> list[dict]:
     from tqdm.auto import tqdm
 
-    accelerator = make_accelerator()
     lengths, depths = sweep(args)
+    stage.at("loading the model")
     try:
         get_mode(args.parallel_mode).topology(accelerator.num_processes, args.sp_size, args.ring_degree)
         source = resolve_model(args.model)
@@ -159,6 +164,7 @@ def main(argv=None):
     bar = tqdm(total=len(mine), desc=f"{args.task} sweep", disable=args.hide_progress or not accelerator.is_local_main_process)
     results = []
     for index, (length, depth, sample) in mine:
+        stage.at(f"scoring a {length}-token prompt at depth {depth}")
         prompt = make_prompt(args, tokenizer, haystack, length, depth, sample)
         outcome = evaluate_prompt(scorer, tokenizer, prompt)
         results.append((index, {
@@ -170,10 +176,10 @@ def main(argv=None):
         bar.update(1)
         bar.set_postfix(length=length, depth=depth, correct=outcome["correct"])
     bar.close()
+    stage.at("collecting the results")
     records = scorer.collect(results)
     if accelerator.is_main_process:
         write_outputs(args, source, lengths, depths, records)
-    accelerator.wait_for_everyone()
     ec.remove_seq_parallel_monkey_patch()
     return records
 
@@ -209,4 +215,4 @@ def write_outputs(args, source: str, lengths, depths, records) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)

@@ -35,7 +35,8 @@ import torch
 import easy_context as ec
 from easy_context.data import load_any_dataset, stdlib_heldout_documents
 from easy_context.evaluation import load_scorer, resolve_model
-from easy_context.launch import fail as launch_fail, make_accelerator
+from easy_context.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from easy_context.launch import fail as launch_fail
 from easy_context.modes import get_mode
 from easy_context.plots import perplexity_curves
 
@@ -69,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--sp-size", type=int, default=None, help="ranks sharing one window (default: all); other groups take other windows")
     p.add_argument("--rope-theta", "--rope_theta", dest="rope_theta", type=float, default=None, help="override the models' RoPE base")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
+    add_dist_timeout_flag(p)
     args = p.parse_args(argv)
     args.model = [m for group in args.model for m in group] if args.model else [None]
 
@@ -192,8 +194,10 @@ def evaluate_model(args, accelerator, source: str, lengths: list[int], bar_posit
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    accelerator = make_accelerator()
+    return run_job("eval_ppl.py", run_models, parse_args(argv))
+
+
+def run_models(args, accelerator, stage: Stage) -> dict:
     lengths = context_lengths(args)
     try:
         get_mode(args.parallel_mode).topology(accelerator.num_processes, args.sp_size, args.ring_degree)
@@ -202,6 +206,7 @@ def main(argv=None):
         fail(str(error))
     table = {}
     for position, source in enumerate(sources):
+        stage.at(f"scoring {source}")
         try:
             totals = evaluate_model(args, accelerator, source, lengths, position)
         except (ValueError, OSError) as error:
@@ -209,7 +214,6 @@ def main(argv=None):
         table[source] = {n: (math.exp(nll / count) if count else math.nan, count) for n, (nll, count) in totals.items()}
     if accelerator.is_main_process:
         write_outputs(args, lengths, table)
-    accelerator.wait_for_everyone()
     ec.remove_seq_parallel_monkey_patch()
     return table
 
@@ -238,4 +242,4 @@ def write_outputs(args, lengths, table) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)

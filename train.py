@@ -18,6 +18,9 @@ import argparse
 import json
 import math
 import os
+import re
+import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +28,9 @@ import torch
 
 import easy_context as ec
 from easy_context.data import byte_tokenizer, document_positions, load_token_rows, stdlib_token_stream, windows
-from easy_context.launch import fail as launch_fail, make_accelerator
+from easy_context.launch import (EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage, add_dist_timeout_flag, injected_fault,
+                                 run_job, run_main)
+from easy_context.launch import fail as launch_fail
 from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
 from easy_context.models import check_config, load_config, load_pretrained
 from easy_context.api import SPLIT_MODES
@@ -59,11 +64,16 @@ def parse_args(argv=None):
     p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
     p.add_argument("--output-dir", default="outputs/tiny-llama")
     p.add_argument("--checkpointing-steps", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
+    p.add_argument("--save-total-limit", type=int, default=None, metavar="N", help="keep only the N newest checkpoints (default: all)")
+    p.add_argument("--skip-nonfinite-steps", type=int, default=0, metavar="K",
+                   help="skip up to K steps whose loss is inf/NaN, counted over the whole run (resumes included); "
+                        "default 0: stop at the first, after saving a checkpoint")
     p.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--wandb", default=None, metavar="PROJECT", help="log to Weights & Biases (project name)")
     p.add_argument("--log-with", default="auto", choices=["auto", "none", "tensorboard", "wandb"], help="tracker (auto: tensorboard when installed)")
     p.add_argument("--max-rows", type=int, default=None, help="use at most this many dataset rows")
+    add_dist_timeout_flag(p)
     args = p.parse_args(argv)
 
     errors = []
@@ -80,6 +90,12 @@ def parse_args(argv=None):
         errors.append(f"--warmup-steps must be between 0 and --max-train-steps ({args.max_train_steps}), got {args.warmup_steps}")
     if args.checkpointing_steps < 0:
         errors.append(f"--checkpointing-steps must be >= 0, got {args.checkpointing_steps}")
+    if args.max_rows is not None and args.max_rows < 1:
+        errors.append(f"--max-rows must be >= 1, got {args.max_rows}")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        errors.append(f"--save-total-limit must be >= 1, got {args.save_total_limit}")
+    if args.skip_nonfinite_steps < 0:
+        errors.append(f"--skip-nonfinite-steps must be >= 0, got {args.skip_nonfinite_steps}")
     if args.tiled_mlp < 0:
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
     if args.ring_degree is not None and args.parallel_mode != "usp_attn":
@@ -91,8 +107,8 @@ def parse_args(argv=None):
     return args
 
 
-def fail(message: str):
-    launch_fail("train.py", message)
+def fail(message: str, code: int = EXIT_BAD_INPUT):
+    launch_fail("train.py", message, code)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -161,9 +177,15 @@ def micro_batch(rows: torch.Tensor, index: int, batch_size: int, dp_rank: int, d
 
 
 # ----------------------------------------------------------------------- checkpoints
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+
+
 def checkpoint_dirs(output_dir: str) -> list[Path]:
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if (p / "trainer_state.json").exists()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    """Complete checkpoints, oldest first. A save in progress (or killed) lives in a
+    `checkpoint-N.partial` folder, which never matches."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*")
+             if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer_state.json").exists()]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
 
 
 def resolve_resume(args) -> Path | None:
@@ -180,6 +202,17 @@ def resolve_resume(args) -> Path | None:
     return path
 
 
+def read_trainer_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except ValueError as error:
+        fail(f"--resume-from-checkpoint {path}: trainer_state.json is not valid JSON ({error})")
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("args"), dict)):
+        fail(f"--resume-from-checkpoint {path}: not a train.py checkpoint (its trainer_state.json has no 'step' and 'args'; "
+             "an HF Trainer checkpoint cannot be resumed here)")
+    return state
+
+
 # These shape the data order, the schedule or the model: a resumed run must use the same
 # values (and the same number of processes) to continue exactly.
 RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree",
@@ -187,24 +220,74 @@ RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "paralle
                "weight_decay", "rope_theta", "world_size", "document_masking", "balance_documents")
 
 
+def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
+    """Atomic: every rank writes into checkpoint-N.partial; when all are done, rank 0 adds
+    trainer_state.json and renames the folder to checkpoint-N (a rename within a folder is
+    atomic on POSIX). A kill at any moment leaves `latest` on a complete checkpoint: the
+    previous one, or this one. Folders to delete are renamed aside first (`.stale`, never
+    matched) and deleted in the background, so the other ranks do not wait on rank 0's rmtree."""
+    final = Path(args.output_dir) / f"checkpoint-{step}"
+    partial = final.with_name(final.name + ".partial")
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    if injected_fault("die_in_save", step, accelerator.process_index) is not None:
+        os._exit(1)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        args.world_size = accelerator.num_processes
+        state = {"step": step, "skipped_steps": skipped, "args": {k: getattr(args, k) for k in RESUME_KEYS}}
+        (partial / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        doomed = []
+        if final.exists():  # the same step saved by an earlier run of this output dir
+            doomed.append(set_aside(final))
+        os.replace(partial, final)
+        doomed += [set_aside(old) for old in checkpoints_to_prune(args, step)]
+        # left by killed saves, or by deletions a finished process did not complete
+        doomed += [*Path(args.output_dir).glob("checkpoint-*.partial"), *Path(args.output_dir).glob("checkpoint-*.stale-*")]
+        threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True).start()
+    accelerator.wait_for_everyone()
+    return final
+
+
+def set_aside(path: Path) -> Path:
+    aside = path.with_name(f"{path.name}.stale-{time.time_ns()}")
+    os.replace(path, aside)
+    return aside
+
+
+def checkpoints_to_prune(args, step: int) -> list[Path]:
+    """With --save-total-limit N: all but checkpoint-`step` and the N - 1 newest before it.
+    Checkpoints after `step` (left by a run this one resumed before) are not ours to judge."""
+    if args.save_total_limit is None:
+        return []
+    older = [p for p in checkpoint_dirs(args.output_dir) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) < step]
+    return older[:max(0, len(older) - (args.save_total_limit - 1))]
+
+
+# --------------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-
-    # ------------------------------------------------------------------- accelerator
     tracker = "wandb" if args.wandb else args.log_with
     if tracker == "auto":
         import importlib.util
 
         tracker = "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else "none"
-    accelerator = make_accelerator(
+    return run_job(
+        "train.py", lambda args, accelerator, stage: train(args, accelerator, tracker, stage), args,
         gradient_accumulation_steps=args.gradient_accumulate_every,
         log_with=None if tracker == "none" else tracker,
         project_dir=args.output_dir,
         # accelerate would step the schedule once per process (it assumes a sharded loader)
         step_scheduler_with_optimizer=False,
     )
+
+
+def train(args, accelerator, tracker: str, stage: Stage) -> float:
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(args.seed)
 
@@ -215,11 +298,18 @@ def main(argv=None):
     except ValueError as error:
         fail(f"{error} (--parallel_mode {args.parallel_mode}, {world} processes, --seq-length {args.seq_length})")
     dp_rank, dp_size = topology.dp_rank(rank), topology.dp_size
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None and args.skip_nonfinite_steps:
+        # DeepSpeed steps its engine inside backward (accelerate's wrapper) and counts
+        # micro-batches itself: a micro-batch we leave out would shift its accumulation.
+        fail("--skip-nonfinite-steps is not supported under DeepSpeed; without it, training stops at a non-finite loss "
+             "after saving a checkpoint of the last good step")
 
     # ------------------------------------------------------------------------- model
+    stage.at("loading the model")
     # bf16 weights only where DeepSpeed keeps fp32 master weights; otherwise fp32 weights
     # (with --mixed_precision bf16, accelerate autocasts the compute).
-    deepspeed_bf16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16"
+    deepspeed_bf16 = deepspeed is not None and accelerator.mixed_precision == "bf16"
     model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32)
     try:
         check_config(model.config, topology, args.seq_length, args.parallel_mode)
@@ -237,13 +327,13 @@ def main(argv=None):
     trainable = CausalLMLoss(model, args.loss_chunk_size)
 
     # -------------------------------------------------------------------------- data
+    stage.at("loading the data")
     micro_batches = args.max_train_steps * args.gradient_accumulate_every
     rows = load_rows(args, rows_needed=micro_batches * args.batch_size * dp_size)
     if len(rows) < args.batch_size * dp_size:
         fail(f"{len(rows)} rows of {args.seq_length + 1} tokens are fewer than one step needs ({args.batch_size * dp_size})")
 
     # ----------------------------------------------------------- optimizer, schedule
-    deepspeed = accelerator.state.deepspeed_plugin
     ds_config = deepspeed.deepspeed_config if deepspeed is not None else {}
     if deepspeed is not None:
         ds_config["train_micro_batch_size_per_gpu"] = args.batch_size
@@ -265,19 +355,25 @@ def main(argv=None):
 
         scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup_steps, args.max_train_steps)
     # DDP (MULTI_CPU / MULTI_GPU) or DeepSpeed: gradients are averaged over every rank.
+    stage.at("preparing the model (DDP / DeepSpeed)")
     trainable, optimizer, scheduler = accelerator.prepare(trainable, optimizer, scheduler)
 
     # ------------------------------------------------------------------------ resume
-    step = 0
+    step, skipped, last_saved = 0, 0, None  # last_saved: (step, folder) of the newest checkpoint of this run
     resume = resolve_resume(args)
     if resume is not None:
-        state = json.loads((resume / "trainer_state.json").read_text())
+        stage.at(f"resuming from {resume}")
+        state = read_trainer_state(resume)
         args.world_size = world
         changed = {k: (state["args"].get(k), getattr(args, k)) for k in RESUME_KEYS if state["args"].get(k) != getattr(args, k)}
         if changed:
             fail(f"cannot resume {resume}: these flags differ from the checkpoint (checkpoint, now): {changed}")
-        accelerator.load_state(str(resume))
-        step = state["step"]
+        try:
+            accelerator.load_state(str(resume))
+        except (OSError, RuntimeError, ValueError) as error:  # a folder with missing or truncated files
+            fail(f"--resume-from-checkpoint {resume}: cannot load it ({' '.join(str(error).split())[:300]})")
+        step, skipped = state["step"], state.get("skipped_steps", 0)
+        last_saved = (step, resume)
         accelerator.print(f"resumed from {resume} at step {step}")
 
     log_path = Path(args.output_dir) / "train_log.jsonl"
@@ -294,41 +390,70 @@ def main(argv=None):
     trainable.train()
     loss = float("nan")
     while step < args.max_train_steps:
-        started, step_sum, step_count = time.perf_counter(), 0.0, 0.0
+        started, step_sum, step_count, nonfinite = time.perf_counter(), 0.0, 0.0, None
         for micro in range(args.gradient_accumulate_every):
+            stage.at("preparing the batch", step + 1)
             batch = micro_batch(rows, step * args.gradient_accumulate_every + micro, args.batch_size, dp_rank, dp_size, args.seed)
             positions = document_positions(batch[:, :-1], eos_id) if args.document_masking else None
             local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], positions, batch[:, 1:], rank, world,
                                                    accelerator.device)
             extra = {"seq_parallel_index": local["local_token_index"]} if split else {}
+            # Every micro-batch enters accumulate(), so accelerate's count of them stays aligned,
+            # but after a non-finite one the step is lost and the rest do no work: no backward,
+            # which under DeepSpeed would also step the engine at the boundary.
             with accelerator.accumulate(trainable):
-                loss_sum = trainable(local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], **extra)
-                # Gradients are averaged over all ranks by DDP/DeepSpeed; scale so the result is
-                # the token-weighted mean over every token of every rank.
-                loss_for_backward, micro_mean = global_token_mean(loss_sum, local["local_target_ids"])
-                accelerator.backward(loss_for_backward)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad()
-            step_sum += micro_mean.item()
-            step_count += 1
+                if (seconds := injected_fault("hang", step + 1, rank)) is not None:
+                    time.sleep(float(seconds))
+                if nonfinite is None:
+                    stage.at("forward")
+                    loss_sum = trainable(local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], **extra)
+                    if injected_fault("nonfinite_loss", step + 1, rank) in ("", str(micro)):
+                        loss_sum = loss_sum * float("nan")
+                    # Gradients are averaged over all ranks by DDP/DeepSpeed; scale so the result is
+                    # the token-weighted mean over every token of every rank.
+                    loss_for_backward, micro_mean = global_token_mean(loss_sum, local["local_target_ids"])
+                    # micro_mean is already all-reduced: every rank sees the same value and takes
+                    # the same branch, so checking it costs no collective.
+                    if math.isfinite(micro_mean.item()):
+                        stage.at("backward")
+                        accelerator.backward(loss_for_backward)
+                        step_sum, step_count = step_sum + micro_mean.item(), step_count + 1
+                    else:
+                        nonfinite = (micro_mean.item(), loss_sum.item())
+                stage.at("optimizer step")
+                if nonfinite is None:
+                    optimizer.step()
+                    if accelerator.sync_gradients:
+                        scheduler.step()
+                optimizer.zero_grad()  # at the step boundary this also drops a skipped step's gradients
+        if nonfinite is not None:
+            skipped += 1
+            if skipped > args.skip_nonfinite_steps:
+                stop_on_nonfinite_loss(accelerator, args, step, skipped - 1, last_saved, *nonfinite, stage)
+            accelerator.print(f"step {step + 1}: non-finite loss {nonfinite[0]}, step skipped "
+                              f"({skipped} of --skip-nonfinite-steps {args.skip_nonfinite_steps})")
         step += 1
-        loss = step_sum / step_count
         elapsed = time.perf_counter() - started
         lr = scheduler.get_last_lr()[0]
-
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", ppl=f"{math.exp(min(loss, 50)):.2f}", tok_s=f"{tokens_per_step / elapsed:.0f}", lr=f"{lr:.2e}")
-        accelerator.log({"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens_per_s": tokens_per_step / elapsed, "lr": lr}, step=step)
+        record = {"step": step, "lr": lr, "tokens_per_s": tokens_per_step / elapsed}
+        if nonfinite is None:
+            loss = step_sum / step_count
+            record["loss"] = loss
+            bar.set_postfix(loss=f"{loss:.4f}", ppl=f"{math.exp(min(loss, 50)):.2f}", tok_s=f"{tokens_per_step / elapsed:.0f}", lr=f"{lr:.2e}")
+            accelerator.log({"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens_per_s": tokens_per_step / elapsed, "lr": lr}, step=step)
+        else:
+            record.update(loss=None, skipped=True)
         if accelerator.is_main_process:
             with open(log_path, "a") as log:
-                log.write(json.dumps({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_step / elapsed}) + "\n")
+                log.write(json.dumps(record) + "\n")
         if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < args.max_train_steps:
-            save_checkpoint(accelerator, args, step)
+            stage.at("checkpoint save", step)
+            last_saved = (step, save_checkpoint(accelerator, args, step, skipped))
     bar.close()
 
     # -------------------------------------------------------------------------- save
+    stage.at("saving the model")
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(trainable)
     if accelerator.is_main_process:
@@ -337,21 +462,27 @@ def main(argv=None):
         unwrapped.save_pretrained(args.output_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(args.output_dir)
         accelerator.print(f"saved the model to {args.output_dir} (final loss {loss:.4f})")
-    accelerator.end_training()
     ec.remove_seq_parallel_monkey_patch()
     return loss
 
 
-def save_checkpoint(accelerator, args, step: int):
-    path = Path(args.output_dir) / f"checkpoint-{step}"
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        args.world_size = accelerator.num_processes
-        state = {"step": step, "args": {k: getattr(args, k) for k in RESUME_KEYS}}
-        (path / "trainer_state.json").write_text(json.dumps(state, indent=1))
-    accelerator.wait_for_everyone()
+def stop_on_nonfinite_loss(accelerator, args, step: int, skipped: int, last_saved, global_mean: float, local_sum: float,
+                           stage: Stage):
+    """Every rank gets here together (the loss mean is all-reduced). Keep the work: the weights
+    are still those after `step` good steps, so save them as a checkpoint, then stop."""
+    stage.at("stopping on a non-finite loss", step + 1)
+    sums = accelerator.gather(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device)).tolist()
+    culprits = {rank: value for rank, value in enumerate(sums) if not math.isfinite(value)}
+    saved = last_saved[1] if last_saved is not None and last_saved[0] == step else None
+    if step > 0 and saved is None:
+        saved = save_checkpoint(accelerator, args, step, skipped)
+    keep = (f"the weights of step {step} are in {saved}: resume it with --skip-nonfinite-steps {skipped + 1} to skip "
+            "this step, or lower --learning-rate" if step > 0 else "nothing was trained yet")
+    fail(f"step {step + 1}: non-finite loss on rank(s) {sorted(culprits)} (their loss sums: "
+         f"{[culprits[r] for r in sorted(culprits)]}; mean over all ranks {global_mean}); stopped before the optimizer "
+         f"step; {keep}", code=EXIT_NONFINITE_LOSS)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)

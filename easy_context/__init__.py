@@ -31,7 +31,8 @@ Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
     evaluation.py      score whole sequences over an SP group (no grad, per-token results)
     needle.py          needle / passkey prompts for any tokenizer
     balance.py         document_split: a layout per packed row that balances the ranks' work
-    models.py, data.py, loss.py, tiled_mlp.py, launch.py, plots.py
+    launch.py          start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
+    models.py, data.py, loss.py, tiled_mlp.py, plots.py
 """
 
 from .api import (

@@ -130,7 +130,11 @@ def load_any_dataset(name_or_path: str, split: str = "train", subset: str | None
             return datasets.Dataset.from_dict({"text": [Path(name_or_path).read_text(encoding="utf-8", errors="replace")]})
         if kind is None:
             raise ValueError(f"dataset file {name_or_path!r}: use .json, .jsonl, .parquet or .txt, or a save_to_disk folder")
-        dataset = datasets.load_dataset(kind, data_files=name_or_path, split="train")
+        try:
+            dataset = datasets.load_dataset(kind, data_files=name_or_path, split="train")
+        except datasets.exceptions.DatasetsError as error:  # malformed rows, mixed schemas (not ValueError)
+            cause = " ".join(str(error.__cause__ or error).split())[:300]
+            raise ValueError(f"dataset file {name_or_path!r} cannot be read as {kind}: {cause}") from error
     else:
         dataset = datasets.load_dataset(name_or_path, subset, split=split)
     if isinstance(dataset, datasets.DatasetDict):

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "SeqParallelGroups", "get_groups", "divisors"]
+__all__ = ["Topology", "SeqParallelGroups", "get_groups", "release_groups", "world_timeout", "divisors"]
 
 
 def divisors(n: int) -> list[int]:
@@ -67,16 +67,33 @@ class SeqParallelGroups:
 _cache: dict = {}
 
 
+def world_timeout():
+    """The timeout the default process group was created with (`init_process_group(timeout=)`,
+    accelerate's InitProcessGroupKwargs, the scripts' --dist-timeout), or None if unknown.
+
+    new_group() does not inherit it: left alone, our groups would wait gloo's default 30
+    minutes (NCCL's 10) while the script promised its user a shorter limit."""
+    try:  # private API (torch 2.x): on any surprise, fall back to torch's default
+        world = dist.group.WORLD
+        for device in world._device_types:
+            timeout = getattr(getattr(world._get_backend(device), "options", None), "_timeout", None)
+            if timeout is not None:
+                return timeout
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return None
+
+
 def _new_groups(rank_lists: list[list[int]], rank: int, world_size: int):
     """Create one group per list (every rank must create every group, in the same order)."""
-    mine = None
+    mine, timeout = None, world_timeout()
     for ranks in rank_lists:
         if len(ranks) == world_size:
             group = dist.group.WORLD
         elif len(ranks) == 1:
             group = None
         else:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
@@ -110,3 +127,9 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
                 dist.barrier(group=group)
         _cache[key] = groups
     return _cache[key]
+
+
+def release_groups() -> None:
+    """Forget the cached group handles, so that destroy_process_group() really frees them
+    before the interpreter exits (a gloo group still referenced then can abort the process)."""
+    _cache.clear()

@@ -23,9 +23,12 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_replicas", "ReplicaDriftError", "CHECK_EVERY"]
+__all__ = ["check_replicas", "check_every", "ReplicaDriftError"]
 
-CHECK_EVERY = int(os.environ.get("EASY_CONTEXT_REPLICA_CHECK_EVERY", "16"))  # 0 turns the guard off
+# Checks every CHECK_EVERY-th forward; 0 turns the guard off. None: read
+# EASY_CONTEXT_REPLICA_CHECK_EVERY (default 16) at the first patched forward, so that a bad
+# value is refused there, as one line from the scripts, not at `import easy_context`.
+CHECK_EVERY: int | None = None
 SAMPLE = 4096  # values per parameter: weights that drift drift everywhere, a sample shows it
 _forwards = 0
 
@@ -34,8 +37,19 @@ class ReplicaDriftError(RuntimeError):
     pass
 
 
+def check_every() -> int:
+    global CHECK_EVERY
+    if CHECK_EVERY is None:
+        text = os.environ.get("EASY_CONTEXT_REPLICA_CHECK_EVERY", "16")
+        if not text.strip().isdigit():
+            raise ValueError(f"EASY_CONTEXT_REPLICA_CHECK_EVERY={text!r}: use a whole number >= 0 (0 turns the guard off)")
+        CHECK_EVERY = int(text)
+    return CHECK_EVERY
+
+
 def _due(count: int) -> bool:
-    return CHECK_EVERY > 0 and (count & (count - 1) == 0 or count % CHECK_EVERY == 0)
+    every = check_every()
+    return every > 0 and (count & (count - 1) == 0 or count % every == 0)
 
 
 def _replicated(param: torch.Tensor) -> bool:
@@ -57,7 +71,7 @@ def check_replicas(module: torch.nn.Module, group, sp_rank: int, device) -> None
     """Called once per patched forward on every rank of the SP group (`group` None: one rank)."""
     global _forwards
     _forwards += 1
-    if group is None or not _due(_forwards):
+    if not _due(_forwards) or group is None:
         return
     local = checksum(module, device)
     sums = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]

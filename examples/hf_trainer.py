@@ -21,6 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForLangu
                           TrainingArguments)
 
 import easy_context as ec
+from easy_context.launch import run_main, shutdown
 from easy_context.data import byte_tokenizer, stdlib_source_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,8 +65,8 @@ def main():
 
     trainer.train()
     print(trainer.evaluate())
-    trainer.accelerator.end_training()  # tear the process groups down before the interpreter exits
+    shutdown(trainer.accelerator)  # engines and process groups torn down in order
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)

@@ -62,7 +62,7 @@ def main():
         _check_now(attention, group, rank)
     check_ms = (time.perf_counter() - start) / checks * 1e3
 
-    rows, default = [], replicas.CHECK_EVERY
+    rows, default = [], replicas.check_every()
     for seq in (int(s) for s in args.seq_lengths.split(",")):
         ids = torch.randint(0, model.module.config.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
         local = ec.prepare_seq_parallel_inputs("zigzag_ring_attn", ids[:, :-1], None, ids[:, 1:], rank, world, "cpu")
@@ -85,7 +85,7 @@ def main():
 
 def _check_now(module, group, rank):
     """One check regardless of the schedule."""
-    saved = replicas.CHECK_EVERY
+    saved = replicas.check_every()
     replicas.CHECK_EVERY = 1
     try:
         replicas.check_replicas(module, group, rank, "cpu")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import require_deepspeed, run_ranks
 from easy_context.data import BYTE_EOS_ID, byte_tokenizer, embedded_prose
 from easy_context.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
 from tiny_models import VOCAB, tiny_model
@@ -145,7 +145,7 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
 def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, saved_model):
     """The GPU recipe's path (accelerate + DeepSpeed ZeRO-3 inference) on CPU: every rank must
     make the same module calls, or ZeRO-3's parameter gathers mismatch and hang."""
-    pytest.importorskip("deepspeed", reason="the optional deepspeed extra is not installed")
+    require_deepspeed()
     flags = ["--model", str(saved_model), "--min_context_length", "300", "--max_context_length", "600",
              "--context_interval", "300", "--depth_interval", "0.5", "--num_samples", "1", "--hide_progress"]
     ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "torchrun"), processes=2))
