@@ -141,3 +141,45 @@ def test_tiled_mlp_refuses_a_tile_size_of_zero():
 
     with pytest.raises(ValueError, match="tile size must be positive, got 0"):
         tile_mlps(tiny_model("llama"), 0)
+
+
+def test_script_helpers_refuse_bad_values(tmp_path):
+    """The library pieces behind the scripts: models, data, needle prompts, plots, masks."""
+    import datasets
+    from transformers import GPT2Config
+
+    from easy_context.data import byte_tokenizer, load_any_dataset
+    from easy_context.masking import SequenceMask
+    from easy_context.models import check_config, load_config
+    from easy_context.needle import PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
+    from easy_context.plots import read_perplexity_csv
+    from easy_context.process_groups import Topology
+    from tiny_models import tiny_config
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported: "):
+        load_config(str(tmp_path / "gpt2"))
+    with pytest.raises(ValueError, match="the model has attention_dropout=0.1; sequence parallelism needs 0.0"):
+        check_config(tiny_config("llama", attention_dropout=0.1), Topology(2, 2, 2), 64, "zigzag_ring_attn")
+    with pytest.raises(ValueError, match="num_attention_heads=3 does not split over the Ulysses degree 2"):
+        check_config(tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48), Topology(2, 2, 1),
+                     64, "ulysses_attn")
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})}).save_to_disk(tmp_path / "splits")
+    with pytest.raises(ValueError, match=r"has splits \['train'\], not 'test'"):
+        load_any_dataset(str(tmp_path / "splits"), split="test")
+
+    tokenizer = byte_tokenizer()
+    with pytest.raises(ValueError, match="the haystack text is empty"):
+        Haystack(tokenizer, "   ", min_tokens=100)
+    haystack = Haystack(tokenizer, PASSKEY_FILLER, min_tokens=200)
+    with pytest.raises(ValueError, match=r"depth must be within \[0, 1\], got 1.5"):
+        build_prompt(tokenizer, haystack, PASSKEY, 200, 1.5, key="", value="68231")
+    with pytest.raises(ValueError, match="tokens, .* needed; build it with more tokens"):
+        build_prompt(tokenizer, haystack, PASSKEY, 20 * len(haystack), 0.5, key="", value="68231")
+
+    (tmp_path / "other.csv").write_text("name,256\nx,1.0\n")
+    with pytest.raises(ValueError, match="not an eval_ppl.py CSV"):
+        read_perplexity_csv(tmp_path / "other.csv")
+    with pytest.raises(ValueError, match="sliding_window must be >= 1, got 0"):
+        SequenceMask.from_positions(torch.arange(8)[None]).with_window(0)

@@ -52,6 +52,7 @@ def test_a_stuck_rank_stops_every_rank_within_the_timeout(tmp_path):
     assert "train.py: error: rank 0, step 3 (forward): a collective failed" in result.stderr, result.stderr[-3000:]
     assert f"--dist-timeout {timeout} s" in result.stderr and "Timed out waiting 15000ms" in result.stderr
     assert "exitcode  : 4" in result.stderr  # EXIT_DIST_FAILURE, not a traceback
+    assert "(most recent call first)" in result.stderr  # rank 1, stopped by torchrun, shows where it was stuck
 
 
 @pytest.mark.timeout(600)
