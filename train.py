@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
     p.add_argument("--output-dir", default="outputs/tiny-llama")
     p.add_argument("--checkpointing-steps", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
-    p.add_argument("--save-total-limit", type=int, default=None, metavar="N", help="keep only the N newest checkpoints (default: all)")
+    p.add_argument("--save-total-limit", type=int, default=None, metavar="N", help="keep the current checkpoint and the N-1 newest before it (default: all)")
     p.add_argument("--skip-nonfinite-steps", type=int, default=0, metavar="K",
                    help="skip up to K steps whose loss is inf/NaN, counted over the whole run (resumes included); "
                         "default 0: stop at the first, after saving a checkpoint")
@@ -300,8 +300,9 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
     dp_rank, dp_size = topology.dp_rank(rank), topology.dp_size
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None and args.skip_nonfinite_steps:
-        # DeepSpeed steps its engine inside backward (accelerate's wrapper) and counts
-        # micro-batches itself: a micro-batch we leave out would shift its accumulation.
+        # accelerate's DeepSpeed wrapper steps the engine inside backward at the accumulation
+        # boundary, and the engine's gradients cannot be zeroed from here: a step cannot be
+        # dropped once some of its micro-batches went backward. (Stopping needs neither.)
         fail("--skip-nonfinite-steps is not supported under DeepSpeed; without it, training stops at a non-finite loss "
              "after saving a checkpoint of the last good step")
 
@@ -414,12 +415,13 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
                     loss_for_backward, micro_mean = global_token_mean(loss_sum, local["local_target_ids"])
                     # micro_mean is already all-reduced: every rank sees the same value and takes
                     # the same branch, so checking it costs no collective.
-                    if math.isfinite(micro_mean.item()):
+                    mean = micro_mean.item()
+                    if math.isfinite(mean):
                         stage.at("backward")
                         accelerator.backward(loss_for_backward)
-                        step_sum, step_count = step_sum + micro_mean.item(), step_count + 1
+                        step_sum, step_count = step_sum + mean, step_count + 1
                     else:
-                        nonfinite = (micro_mean.item(), loss_sum.item())
+                        nonfinite = (mean, loss_sum.item())
                 stage.at("optimizer step")
                 if nonfinite is None:
                     optimizer.step()

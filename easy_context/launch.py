@@ -231,10 +231,6 @@ def shutdown(accelerator=None) -> None:
         for tracker in accelerator.trackers:
             tracker.finish()
         accelerator.free_memory()  # destroys the DeepSpeed engine too
-    _destroy_process_groups()
-
-
-def _destroy_process_groups() -> None:
     import torch.distributed as dist
 
     from .process_groups import release_groups
@@ -250,7 +246,8 @@ def injected_fault(point: str, step: int, rank: int) -> str | None:
     """For the tests of failure paths: EASY_CONTEXT_FAULT="point@step:rank[:value]" makes
     `point` fire at that step on that rank (returns value, or "" when none is given).
     Points in train.py: hang (sleep value seconds before the forward), die_in_save (the
-    process dies after writing its part of the checkpoint), nonfinite_loss."""
+    process dies after writing its part of the checkpoint), nonfinite_loss (in micro-batch
+    `value` of the step, or in all of them)."""
     spec = os.environ.get("EASY_CONTEXT_FAULT")
     if not spec or "@" not in spec:
         return None
