@@ -1,8 +1,12 @@
 """Train a Hugging Face causal LM on long sequences with sequence parallelism.
 
     # CPU, 2 processes, zigzag ring attention, the embedded default (tiny Llama on the
-    # Python standard library's sources, byte tokenizer): a few minutes, loss falls.
+    # Python standard library's sources, byte tokenizer, half the rows needle retrieval
+    # documents): about a minute, loss falls.
     torchrun --standalone --nproc_per_node 2 train.py --parallel_mode zigzag_ring_attn
+
+    # A text dataset (tokenized once into datasets' cache, packed, read lazily), or a stream
+    torchrun --standalone --nproc_per_node 2 train.py --model PATH --dataset corpus.jsonl --text-column text
 
     # GPUs, DeepSpeed ZeRO-3 with CPU offload (see accelerate_configs/ and scripts/)
     accelerate launch --config_file accelerate_configs/single_node.yaml train.py \
@@ -15,11 +19,13 @@ resume -> loop (shard, chunked loss, backward, step, log, checkpoint) -> save_pr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +33,8 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
-from easy_context.data import byte_tokenizer, document_positions, load_token_rows, stdlib_token_stream, windows
+from easy_context.data import (BYTE_EOS_ID, StreamedRows, byte_tokenizer, document_positions, open_rows, stdlib_token_stream,
+                               windows, with_retrieval_rows)
 from easy_context.launch import (EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage, add_dist_timeout_flag, injected_fault,
                                  run_job, run_main)
 from easy_context.launch import fail as launch_fail
@@ -38,13 +45,19 @@ from easy_context.modes import get_mode
 from easy_context.tiled_mlp import tile_mlps
 
 DEFAULT_MODEL = Path(__file__).parent / "configs" / "tiny-llama"
+DEFAULT_RETRIEVAL_FRACTION = 0.5  # the embedded corpus: half the rows teach retrieval (README numbers)
 
 
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="hub name or local path; default: the tiny Llama config in configs/ (random init)")
-    p.add_argument("--dataset", default=None, help="dataset with an input_ids column (hub name, save_to_disk folder, .jsonl/.parquet); default: the embedded stdlib corpus")
+    p.add_argument("--dataset", default=None, help="hub name, save_to_disk folder or .jsonl/.parquet/.txt file, with an input_ids column "
+                   "(rows >= --seq-length + 1 tokens) or a text column (tokenized and packed); default: the embedded corpus")
+    p.add_argument("--text-column", default="text", help="the text column of a --dataset without input_ids")
+    p.add_argument("--streaming", action="store_true", help="stream --dataset (read in order; each data-parallel group its own part)")
+    p.add_argument("--retrieval-fraction", type=float, default=None, help=f"embedded corpus only: share of rows rewritten as needle "
+                   f"retrieval documents in eval_needle.py's format (default {DEFAULT_RETRIEVAL_FRACTION})")
     p.add_argument("--seq-length", type=int, default=2048, help="tokens per training sequence")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per sequence-parallel group")
     p.add_argument("--gradient-accumulate-every", type=int, default=1)
@@ -100,8 +113,14 @@ def parse_args(argv=None):
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
     if args.ring_degree is not None and args.parallel_mode != "usp_attn":
         errors.append(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
+    if args.streaming and args.dataset is None:
+        errors.append("--streaming needs --dataset (the embedded corpus is built in memory)")
+    if args.retrieval_fraction is not None and (args.dataset is not None or not 0 <= args.retrieval_fraction <= 1):
+        errors.append(f"--retrieval-fraction applies to the embedded corpus (no --dataset) and must be in [0, 1], got {args.retrieval_fraction}")
     if errors:
         p.error("; ".join(errors))
+    if args.retrieval_fraction is None and args.dataset is None:
+        args.retrieval_fraction = DEFAULT_RETRIEVAL_FRACTION
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.max_train_steps // 10)
     return args
@@ -151,27 +170,39 @@ def load_model(args, dtype):
 
 
 # ----------------------------------------------------------------------------- the data
-def load_rows(args, rows_needed: int) -> torch.Tensor:
-    """Rows of seq_length + 1 tokens (inputs and their next-token targets)."""
+def load_rows(args, rows_needed: int, tokenizer, dp_rank: int, dp_size: int):
+    """Rows of seq_length + 1 tokens (inputs and their next-token targets): a tensor for the
+    embedded default; for --dataset, rows read lazily from its Arrow storage (or its stream)."""
     length = args.seq_length + 1
     if args.dataset is None:
+        if len(tokenizer) != BYTE_EOS_ID + 1 or tokenizer.eos_token_id != BYTE_EOS_ID:
+            fail(f"--model {args.model}: the embedded corpus is byte tokens, for the byte-level default model; "
+                 "with another tokenizer give --dataset (text is tokenized with the model's tokenizer)")
         stream = stdlib_token_stream(max_tokens=rows_needed * length)
         rows = windows(stream, length, args.max_rows)
         if len(rows) == 0:
             fail(f"the embedded corpus is shorter than one sequence of {length} tokens")
-        return rows
+        return with_retrieval_rows(rows, args.retrieval_fraction, args.seed)
     try:
-        return load_token_rows(args.dataset, length, max_rows=args.max_rows)
+        return open_rows(args.dataset, length, tokenizer, text_column=args.text_column, max_rows=args.max_rows,
+                         streaming=args.streaming, dp_rank=dp_rank, dp_size=dp_size)
     except (ValueError, OSError) as error:
         fail(f"--dataset {args.dataset}: {error}")
+
+
+@functools.lru_cache(maxsize=2)  # one permutation per epoch, not one per micro-batch (10M rows: 80 MB)
+def epoch_order(rows: int, seed: int) -> torch.Tensor:
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
 
 
 def micro_batch(rows: torch.Tensor, index: int, batch_size: int, dp_rank: int, dp_size: int, seed: int) -> torch.Tensor:
     """Micro-batch `index` of data-parallel group `dp_rank`: a pure function of its arguments,
     so a resumed run reads exactly what the uninterrupted run would have read."""
+    if isinstance(rows, StreamedRows):  # in stream order; each DP group streams its own part
+        return rows.read(index * batch_size, batch_size)
     per_epoch = len(rows) // (batch_size * dp_size)
     epoch, within = divmod(index, per_epoch)
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
+    order = epoch_order(len(rows), seed + epoch)
     start = (within * dp_size + dp_rank) * batch_size
     return rows[order[start:start + batch_size]]
 
@@ -216,8 +247,13 @@ def read_trainer_state(path: Path) -> dict:
 # These shape the data order, the schedule or the model: a resumed run must use the same
 # values (and the same number of processes) to continue exactly.
 RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree",
-               "seed", "dataset", "model", "max_rows", "max_train_steps", "learning_rate", "warmup_steps",
+               "seed", "dataset", "text_column", "streaming", "retrieval_fraction", "model", "max_rows", "max_train_steps", "learning_rate", "warmup_steps",
                "weight_decay", "rope_theta", "world_size", "document_masking", "balance_documents")
+
+
+def legacy_resume_values(saved: dict) -> dict:
+    """What checkpoints written before a flag existed were trained with."""
+    return {"text_column": "text", "streaming": False, "retrieval_fraction": 0.0 if saved.get("dataset") is None else None}
 
 
 def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
@@ -264,6 +300,16 @@ def checkpoints_to_prune(args, step: int) -> list[Path]:
         return []
     older = [p for p in checkpoint_dirs(args.output_dir) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) < step]
     return older[:max(0, len(older) - (args.save_total_limit - 1))]
+
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory (None where the OS does not report it)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 # --------------------------------------------------------------------------- main
@@ -316,7 +362,7 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
         check_config(model.config, topology, args.seq_length, args.parallel_mode)
     except ValueError as error:
         fail(str(error))
-    eos_id = tokenizer.eos_token_id
+    eos_id, vocab_size = tokenizer.eos_token_id, model.config.vocab_size
     if args.document_masking and eos_id is None:
         fail("--document-masking needs a tokenizer with an EOS token (documents are separated by EOS)")
     model_type = model.config.model_type
@@ -328,10 +374,14 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
     trainable = CausalLMLoss(model, args.loss_chunk_size)
 
     # -------------------------------------------------------------------------- data
-    stage.at("loading the data")
     micro_batches = args.max_train_steps * args.gradient_accumulate_every
-    rows = load_rows(args, rows_needed=micro_batches * args.batch_size * dp_size)
-    if len(rows) < args.batch_size * dp_size:
+    # The main process first: it downloads and tokenizes into datasets' cache, the others then
+    # read the cache. They wait in a collective, so a first tokenization longer than
+    # --dist-timeout stops them; the phase name says so.
+    stage.at("loading the data (the main process tokenizes --dataset first; the others wait up to --dist-timeout)")
+    with accelerator.main_process_first():
+        rows = load_rows(args, micro_batches * args.batch_size * dp_size, tokenizer, dp_rank, dp_size)
+    if not isinstance(rows, StreamedRows) and len(rows) < args.batch_size * dp_size:
         fail(f"{len(rows)} rows of {args.seq_length + 1} tokens are fewer than one step needs ({args.batch_size * dp_size})")
 
     # ----------------------------------------------------------- optimizer, schedule
@@ -366,7 +416,8 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
         stage.at(f"resuming from {resume}")
         state = read_trainer_state(resume)
         args.world_size = world
-        changed = {k: (state["args"].get(k), getattr(args, k)) for k in RESUME_KEYS if state["args"].get(k) != getattr(args, k)}
+        saved = {**legacy_resume_values(state["args"]), **state["args"]}
+        changed = {k: (saved.get(k), getattr(args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(args, k)}
         if changed:
             fail(f"cannot resume {resume}: these flags differ from the checkpoint (checkpoint, now): {changed}")
         try:
@@ -395,6 +446,10 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
         for micro in range(args.gradient_accumulate_every):
             stage.at("preparing the batch", step + 1)
             batch = micro_batch(rows, step * args.gradient_accumulate_every + micro, args.batch_size, dp_rank, dp_size, args.seed)
+            if batch.min() < 0 or batch.max() >= vocab_size:  # else an IndexError (CPU) or a device assert (CUDA)
+                bad = batch.min().item() if batch.min() < 0 else batch.max().item()
+                fail(f"step {step + 1}: the data holds token id {bad}, outside the model's vocabulary (0..{vocab_size - 1}); "
+                     "was --dataset tokenized with another tokenizer?")
             positions = document_positions(batch[:, :-1], eos_id) if args.document_masking else None
             local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], positions, batch[:, 1:], rank, world,
                                                    accelerator.device)
@@ -453,6 +508,14 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
             stage.at("checkpoint save", step)
             last_saved = (step, save_checkpoint(accelerator, args, step, skipped))
     bar.close()
+    # Each rank's peak resident memory so far (training, before the final save), one gather.
+    from accelerate.utils import gather_object
+
+    peak_rss = gather_object([peak_rss_mib()])
+    if accelerator.is_main_process:
+        summary = {"steps": step, "final_loss": loss if math.isfinite(loss) else None, "skipped_steps": skipped,
+                   "peak_rss_mib_per_rank": peak_rss}
+        (Path(args.output_dir) / "train_summary.json").write_text(json.dumps(summary, indent=1))
 
     # -------------------------------------------------------------------------- save
     stage.at("saving the model")
