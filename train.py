@@ -247,8 +247,9 @@ def read_trainer_state(path: Path) -> dict:
 # These shape the data order, the schedule or the model: a resumed run must use the same
 # values (and the same number of processes) to continue exactly.
 RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree",
-               "seed", "dataset", "text_column", "streaming", "retrieval_fraction", "model", "max_rows", "max_train_steps", "learning_rate", "warmup_steps",
-               "weight_decay", "rope_theta", "world_size", "document_masking", "balance_documents")
+               "seed", "dataset", "text_column", "streaming", "retrieval_fraction", "model", "max_rows", "max_train_steps",
+               "learning_rate", "warmup_steps", "weight_decay", "rope_theta", "world_size", "document_masking",
+               "balance_documents")
 
 
 def legacy_resume_values(saved: dict) -> dict:

@@ -77,6 +77,16 @@ def test_bad_inputs_get_clear_messages(tmp_path):
     short.write_text("\n".join(json.dumps({"input_ids": list(range(n))}) for n in (600, 100)))
     no_ids = tmp_path / "text.jsonl"
     no_ids.write_text(json.dumps({"text": "hello"}))
+    # a model whose tokenizer is not the byte tokenizer: the embedded (byte) corpus is refused for it
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from easy_context.data import byte_tokenizer
+
+    other = tmp_path / "other-tokenizer"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "configs" / "tiny-llama")).save_pretrained(other)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other)
     foreign_ids = tmp_path / "foreign.jsonl"  # tokenized with a larger vocabulary than the byte model's 257
     foreign_ids.write_text("\n".join(json.dumps({"input_ids": [5] * 100 + [300] * 200}) for _ in range(2)))
     cases = [
@@ -84,6 +94,7 @@ def test_bad_inputs_get_clear_messages(tmp_path):
         (["--dataset", str(no_ids)], "has 6 tokens (with one EOS per document), fewer than one row of 2049"),
         (["--dataset", str(no_ids), "--text-column", "body"], "has no 'body' column (columns: ['text']); give --text-column"),
         (["--streaming"], "--streaming needs --dataset"),
+        (["--model", str(other), "--seq-length", "256"], "the embedded corpus is byte tokens, for the byte-level default model"),
         (["--dataset", str(foreign_ids), "--seq-length", "256", "--max-train-steps", "1"],
          "step 1: the data holds token id 300, outside the model's vocabulary (0..256)"),
         (["--dataset", str(no_ids), "--retrieval-fraction", "0.2"], "--retrieval-fraction applies to the embedded corpus"),
