@@ -3,7 +3,8 @@
 A corpus made of the Python standard library's source files, a byte-level tokenizer built
 locally (token id = byte value, plus one end-of-text token), English prose for needle
 haystacks, and synthetic retrieval rows (needles hidden in that code, then asked about) in
-exactly the format eval_needle.py scores, so the default training run learns to retrieve.
+exactly the format eval_needle.py scores: the right data for retrieval, though the tiny
+model does not learn it within the README's budget (README, Evaluation).
 """
 
 from __future__ import annotations
