@@ -39,6 +39,7 @@ from easy_context.launch import (EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage, add
                                  run_job, run_main)
 from easy_context.launch import fail as launch_fail
 from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
+from easy_context.architectures import check_training_config, logits_head
 from easy_context.models import check_config, load_config, load_pretrained
 from easy_context.api import SPLIT_MODES
 from easy_context.modes import get_mode
@@ -146,7 +147,7 @@ class CausalLMLoss(torch.nn.Module):
     def forward(self, input_ids, position_ids, target_ids, **attention_kwargs):
         hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                           **attention_kwargs).last_hidden_state
-        return chunked_cross_entropy_sum(hidden, self.model.get_output_embeddings(), target_ids, self.loss_chunk_size)
+        return chunked_cross_entropy_sum(hidden, logits_head(self.model), target_ids, self.loss_chunk_size)
 
 
 def load_model(args, dtype):
@@ -361,16 +362,16 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
     model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32)
     try:
         check_config(model.config, topology, args.seq_length, args.parallel_mode)
+        check_training_config(model.config)
     except ValueError as error:
         fail(str(error))
     eos_id, vocab_size = tokenizer.eos_token_id, model.config.vocab_size
     if args.document_masking and eos_id is None:
         fail("--document-masking needs a tokenizer with an EOS token (documents are separated by EOS)")
-    model_type = model.config.model_type
     # --balance-documents: every document is split over the ring (document_split); Ulysses alone is
     # balanced already.
     split = args.balance_documents and args.parallel_mode in SPLIT_MODES
-    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model_type, sp_size=args.sp_size, ring_degree=args.ring_degree,
+    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model, sp_size=args.sp_size, ring_degree=args.ring_degree,
                                        document_split=split or None)
     trainable = CausalLMLoss(model, args.loss_chunk_size)
 

@@ -2,7 +2,7 @@
 
 Public API (everything a training or evaluation script needs):
 
-    apply_seq_parallel_monkey_patch(mode, model_type, **options)
+    apply_seq_parallel_monkey_patch(mode, model_or_type, **options)   a type ("llama") or a model
     remove_seq_parallel_monkey_patch()
     prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device,
                                 attention_mask=None, **options)
@@ -13,6 +13,7 @@ Public API (everything a training or evaluation script needs):
              document_split (a layout per packed row: equal work per rank)
 
 Architecture (one file or folder per concern):
+    architectures.py   the supported model types (one list) and why others are refused
     kernels.py         local attention block -> (out, lse) and its backward; CPU/CUDA backends, masks
     masking.py         documents, padding and windows described once; the kernel calls they imply
     ring.py            the ring core: direct K/V exchange per step, log-sum-exp merging, exact backward
@@ -42,7 +43,7 @@ from .api import (
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from .hf import SUPPORTED_MODEL_TYPES
+from .architectures import SUPPORTED_MODEL_TYPES
 from .trainer import prepare_trainer
 from .modes import BUILT_MODES, MODE_NAMES
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import hf
+from . import architectures, hf
 from .modes import SeqParallelMode, get_mode
 from .process_groups import get_groups
 
@@ -59,9 +59,11 @@ def _topology(where: str, mode: SeqParallelMode, world: int, options: dict):
     return mode.topology(world, resolved["sp_size"], resolved["ring_degree"]), resolved
 
 
-def apply_seq_parallel_monkey_patch(mode: str, model_type: str, **options) -> None:
-    """Make `model_type` models run `mode`'s sequence-parallel attention.
+def apply_seq_parallel_monkey_patch(mode: str, model_or_type, **options) -> None:
+    """Make models of a type run `mode`'s sequence-parallel attention.
 
+    model_or_type: a model type ("llama", see SUPPORTED_MODEL_TYPES) or a model instance (or
+    its config), whose decoder's type is used (a multimodal wrapper's text config included).
     Affects models whose attn_implementation is sdpa, eager or flash_attention_2, created
     before or after this call. Process groups are created here when torch.distributed is
     initialised, else at the first forward. Calling it again with the same mode and options
@@ -70,8 +72,9 @@ def apply_seq_parallel_monkey_patch(mode: str, model_type: str, **options) -> No
     """
     resolved = get_mode(mode)
     _check_option_names("apply_seq_parallel_monkey_patch", options)
-    if model_type not in hf.SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported; supported: {list(hf.SUPPORTED_MODEL_TYPES)}")
+    model_types = architectures.model_types_of(model_or_type)
+    for model_type in model_types:
+        architectures.check_model_type(model_type)
     sp_size, ring_degree, split = options.get("sp_size"), options.get("ring_degree"), options.get("document_split")
     resolved.topology(hf.world_size(), sp_size, ring_degree)  # impossible combinations fail now
     if split:
@@ -79,7 +82,7 @@ def apply_seq_parallel_monkey_patch(mode: str, model_type: str, **options) -> No
     if resolved.attention is None:  # data_parallel: models keep their own attention
         remove_seq_parallel_monkey_patch()
         return
-    types = {model_type}
+    types = set(model_types)
     active = hf.active_patch()
     if active is not None and (active.mode, active.sp_size, active.ring_degree, active.document_split) == (
         resolved, sp_size, ring_degree, split

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .api import gather_seq_parallel_outputs, prepare_seq_parallel_inputs
+from .architectures import logits_head
 from .modes import get_mode
 
 __all__ = ["DEFAULT_EVAL_MODEL", "resolve_model", "TokenScores", "SeqParallelScorer", "eval_dtype", "load_scorer"]
@@ -97,7 +98,7 @@ class SeqParallelScorer:
         targets = F.pad(target_ids, (0, pad), value=IGNORE)[None]
         local = prepare_seq_parallel_inputs(self.mode_name, ids, None, targets, self.rank, self.world_size,
                                             self.device, **self.options)
-        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        decoder, head = self.model.get_decoder(), logits_head(self.model)
         hidden = decoder(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
                          use_cache=False).last_hidden_state[0]
         # The output layer runs only where a target is scored (for a needle prompt: the
@@ -155,7 +156,7 @@ def load_scorer(accelerator, source: str, mode: str, *, max_length: int, sp_size
     rank, world = accelerator.process_index, accelerator.num_processes
     model, tokenizer = load_pretrained(source, rope_theta, eval_dtype(dtype, accelerator.device))
     check_config(model.config, get_mode(mode).topology(world, sp_size, ring_degree), max_length, mode)
-    api.apply_seq_parallel_monkey_patch(mode, model.config.model_type, sp_size=sp_size, ring_degree=ring_degree)
+    api.apply_seq_parallel_monkey_patch(mode, model, sp_size=sp_size, ring_degree=ring_degree)
     model.eval()
     deepspeed = accelerator.state.deepspeed_plugin is not None
     model = accelerator.prepare(model) if deepspeed else model.to(accelerator.device)

@@ -21,8 +21,12 @@ checks now and then that the SP group's weights are still identical (replicas.py
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import math
 import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .architectures import SUPPORTED_MODEL_TYPES
 from .layout import Layout
 from .masking import SequenceMask
 from .modes import SeqParallelMode
@@ -39,7 +44,6 @@ from .replicas import check_replicas
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "ShardedMask", "install", "uninstall", "active_patch", "world_size"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Implementations a patched model may use (each becomes sequence parallel). Every other name
 # in the registries is dispatched too, so a patched model on, say, flex_attention is refused
 # instead of silently attending within its shard only.
@@ -168,6 +172,58 @@ def _check_padding(valid: torch.Tensor) -> None:
         )
 
 
+# Keywords a model's attention module passes its attention function by name are features of
+# the architecture (a softcap, sinks, a window...). Each must be one we implement, or known to
+# change nothing here; anything else is refused, so a new attention feature of a future model
+# can never be dropped silently. The rest of **kwargs is what the caller passed the model
+# (Trainer's shift_labels, our seq_parallel_index...), passed through untouched.
+_LOGIT_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "sinks": "sinks"}
+_KNOWN_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "position_ids", "is_causal", *_LOGIT_KWARGS})
+
+
+@functools.lru_cache(maxsize=None)
+def _named_attention_keywords(cls) -> frozenset:
+    """The keywords `cls.forward` passes by name to `attention_interface(...)` (transformers'
+    name for the registry function in every model); empty when the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
+            names |= {keyword.arg for keyword in node.keywords if keyword.arg}
+    return frozenset(names)
+
+
+def _logit_options(module, kwargs) -> dict:
+    """softcap and sinks from the model's keywords; unimplemented features refused (see above)."""
+    unknown = sorted(_named_attention_keywords(type(module)) - _KNOWN_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"{type(module).__name__} passes {unknown} to its attention function; sequence parallelism does not "
+            "implement what they do, so this model cannot run sequence parallel (report it with the model type)"
+        )
+    if kwargs.get("is_causal") is False:
+        raise ValueError(f"{type(module).__name__} asks for non-causal attention, which sequence parallelism does not support")
+    return {option: kwargs[name] for name, option in _LOGIT_KWARGS.items() if kwargs.get(name) is not None}
+
+
+def _equal_head_dims(query, key, value):
+    """(q, k, v, value head dim or None) with one head dim for all three: torch's fused kernels
+    refuse others. MLA (DeepSeek-V3) has values narrower than queries/keys: v gets zero
+    columns, whose outputs are zero and sliced off afterwards. Wider values: q and k get zero
+    columns, which change no logit (the scale is the model's, not recomputed). Exact either
+    way; the cost is the padded columns' compute and K/V traffic."""
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    if d_qk == d_v:
+        return query, key, value, None
+    if d_v < d_qk:
+        return query, key, torch.nn.functional.pad(value, (0, d_qk - d_v)), d_v
+    pad = (0, d_v - d_qk)
+    return torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad), value, d_v
+
+
 def _check_supported(module, query, key, attention_mask, kwargs) -> None:
     if query.shape[2] != key.shape[2]:
         raise ValueError(
@@ -204,6 +260,8 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
         raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
     mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
+    options = _logit_options(module, kwargs)
+    query, key, value, value_dim = _equal_head_dims(query, key, value)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # RoPE returns fp32 q/k under autocast while v comes out of a bf16 matmul: run the
@@ -212,11 +270,13 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (x.to(dtype) for x in (query, key, value))
         with torch.autocast(device_type, enabled=False):
-            out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask)
+            out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask, **options)
     else:
         if not query.dtype == key.dtype == value.dtype:
             raise ValueError(f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}) outside autocast")
-        out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask)
+        out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask, **options)
+    if value_dim is not None:
+        out = out[..., :value_dim]
     return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
 
 

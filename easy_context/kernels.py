@@ -10,16 +10,22 @@ q/k/v usually are (B, H, S, D) views of (B, S, H, D)-dense tensors (HF transpose
 projections); no backend copies them unless its kernel needs another layout.
 
 Masks: `mask` is a bool tensor broadcastable to (B, 1, Sq, Sk), True where the query may
-attend the key, and never given together with causal=True. A query row with no allowed key
+attend the key, and never given together with causal=True.
+
+Softcapping (Gemma 2): `softcap` c turns each logit s = scale * q.k into c * tanh(s / c)
+before the softmax; the lse is over the capped logits, so blocks still merge exactly.
+Only math (any device) and flash_attn (CUDA) have it; a softcapped call picks the best of
+those (on CPU: math, which materialises one tile of logits at a time). A query row with no allowed key
 gets out 0 and lse -inf on every backend, and zero gradients (never NaN).
 
 Backends, picked per call from the tensors' device, dtype and head dim (override with
 EASY_CONTEXT_KERNEL):
   cpu_flash       torch's fused CPU flash-attention op (private aten op, pinned by tests); masks
-  flash_attn      Dao-AILab flash_attn on CUDA, fp16/bf16 (optional dependency)
+  flash_attn      Dao-AILab flash_attn on CUDA, fp16/bf16 (optional dependency); softcap
   cuda_flash      torch's fused CUDA flash op, fp16/bf16
   cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks
-  math            pure torch, fp32 accumulation, any device; masks; the reference and the fallback
+  math            pure torch, fp32 accumulation, any device; masks, softcap; the reference and
+                  the fallback; computed in tiles of query rows (MATH_TILE_LOGITS logits at a time)
 Order on CUDA: fp16/bf16 flash_attn, cuda_flash, cuda_efficient, math; fp32 cuda_efficient,
 math. The two flash backends need compute capability >= 8.0 and a head dim <= 256 that is a
 multiple of 8. A masked call uses the best backend that takes a mask: a forced
@@ -56,6 +62,7 @@ class Backend(NamedTuple):
     forward: Callable  # (q, k, v, causal, scale[, mask]) -> (out, lse)
     backward: Callable  # (dout, q, k, v, out, lse, causal, scale[, mask]) -> (dq, dk, dv)
     supports_mask: bool = False  # forward/backward take a (B or 1, 1, Sq, Sk) bool mask last
+    supports_softcap: bool = False  # forward/backward take softcap=c (logits c * tanh(s / c))
 
 
 class _ForwardCounter:
@@ -153,50 +160,81 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _grouped(q: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """(B, Hq, S, D) -> (B, Hkv, G, S, D): query heads grouped by the KV head they read."""
-    b, h, s, d = q.shape
-    return q.reshape(b, n_kv, h // n_kv, s, d)
+# Logits the math backend holds at once (fp32: 8 MiB per temporary); longer blocks run in tiles of
+# query rows. Measured on 2 cores at S=4K: as fast as 4x larger tiles, and less memory.
+MATH_TILE_LOGITS = 1 << 21
 
 
-def _math_scores(q, k, causal, scale, mask=None):
+def _row_tiles(q, k) -> list[slice]:
+    b, h, sq, _ = q.shape
+    rows = max(1, MATH_TILE_LOGITS // max(1, b * h * k.shape[2]))
+    return [slice(start, min(start + rows, sq)) for start in range(0, sq, rows)]
+
+
+def _math_logits(q, k, causal, scale, mask, softcap, rows: slice, keys: slice, grad: bool = False):
+    """Logits of q's `rows` (a tile) against k's `keys` in the accumulation dtype, shaped
+    (B, Hkv, G * rows, keys): the G query heads reading one KV head share its matmul. Also
+    returns the tile's grouped queries and, with grad=True and a softcap, d(capped)/d(logit)
+    = 1 - tanh^2 for the backward's chain rule."""
     acc = accumulation_dtype(q.dtype)
-    qg = _grouped(q.to(acc), k.shape[1])
-    scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = scores.shape[-2:]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if mask is not None:  # (B, 1, Sq, Sk) -> (B, 1, 1, Sq, Sk) over (B, Hkv, G, Sq, Sk)
-        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    return qg, scores
-
-
-def _math_forward(q, k, v, causal, scale, mask=None):
-    _, scores = _math_scores(q, k, causal, scale, mask)
-    lse = torch.logsumexp(scores, dim=-1)
-    # A row with no allowed key has lse -inf: subtract 0 there, so its probabilities are 0, not NaN.
-    shift = lse if mask is None else lse.masked_fill(lse == -_INF, 0)
-    probs = torch.exp(scores - shift.unsqueeze(-1))
-    out = torch.matmul(probs, v.to(probs.dtype).unsqueeze(2))
-    b, h, s, d = q.shape
-    return out.reshape(b, h, s, -1).to(q.dtype), lse.reshape(b, h, s)
-
-
-def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    b, h, _, d = q.shape
     n_kv = k.shape[1]
-    qg, scores = _math_scores(q, k, causal, scale, mask)
+    q_tile = q[:, :, rows].to(acc).reshape(b, n_kv, -1, d)
+    logits = torch.matmul(q_tile, k[:, :, keys].to(acc).transpose(-1, -2)).mul_(scale)
+    slope = None
+    if softcap:
+        capped = logits.div_(softcap).tanh_()
+        slope = 1 - capped * capped if grad else None
+        logits = capped.mul_(softcap)
+    by_row = logits.view(b, n_kv, h // n_kv, -1, logits.shape[-1])  # (B, Hkv, G, rows, keys)
+    if causal:  # square block: query i of the block sees keys <= i
+        query = torch.arange(rows.start, rows.stop, device=q.device)
+        by_row.masked_fill_(torch.arange(keys.start or 0, keys.stop, device=q.device) > query[:, None], -_INF)
+    if mask is not None:  # (B, 1, Sq, Sk) -> (B, 1, 1, rows, keys)
+        by_row.masked_fill_(~mask[:, :, rows, keys].unsqueeze(2), -_INF)
+    return q_tile, logits, slope
+
+
+def _tiles(q, k, causal):
+    """(query rows, keys) of each tile; a causal tile needs no key after its last row."""
+    return [(rows, slice(0, rows.stop) if causal else slice(0, k.shape[2])) for rows in _row_tiles(q, k)]
+
+
+def _math_forward(q, k, v, causal, scale, mask=None, softcap=None):
+    b, h = q.shape[:2]
+    n_kv = k.shape[1]
+    outs, lses = [], []
+    for rows, keys in _tiles(q, k, causal):
+        _, logits, _ = _math_logits(q, k, causal, scale, mask, softcap, rows, keys)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        # A row with no allowed key has lse -inf: subtract 0 there, so its probabilities are 0, not NaN.
+        shift = lse if mask is None else lse.masked_fill(lse == -_INF, 0)
+        probs = logits.sub_(shift).exp_()
+        out = torch.matmul(probs, v[:, :, keys].to(probs.dtype))
+        outs.append(out.reshape(b, h, -1, v.shape[-1]))
+        lses.append(lse.reshape(b, h, -1))
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=None):
+    b, h, _, d = q.shape
+    n_kv = k.shape[1]
     if mask is not None:
         lse = _backward_lse(lse)
-    acc = scores.dtype
-    probs = torch.exp(scores - _grouped(lse.to(acc).unsqueeze(-1), n_kv))
-    dout_g = _grouped(dout.to(acc), n_kv)
-    delta = (dout_g * _grouped(out.to(acc), n_kv)).sum(-1, keepdim=True)
-    dv = torch.matmul(probs.transpose(-1, -2), dout_g).sum(2)
-    dp = torch.matmul(dout_g, v.to(acc).unsqueeze(2).transpose(-1, -2))
-    ds = probs * (dp - delta) * scale
-    dq = torch.matmul(ds, k.to(acc).unsqueeze(2)).reshape(q.shape)
-    dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2)
+    acc = accumulation_dtype(q.dtype)
+    grouped = lambda x, rows: x[:, :, rows].to(acc).reshape(b, n_kv, -1, x.shape[-1])  # noqa: E731
+    dq, dk, dv = torch.empty_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+    for rows, keys in _tiles(q, k, causal):
+        q_tile, logits, slope = _math_logits(q, k, causal, scale, mask, softcap, rows, keys, grad=True)
+        probs = logits.sub_(grouped(lse.unsqueeze(-1), rows)).exp_()
+        dout_tile = grouped(dout, rows)
+        delta = (dout_tile * grouped(out, rows)).sum(-1, keepdim=True)
+        dv[:, :, keys] += torch.matmul(probs.transpose(-1, -2), dout_tile)  # sums over the G heads too
+        dlogits = torch.matmul(dout_tile, v[:, :, keys].to(acc).transpose(-1, -2)).sub_(delta).mul_(probs).mul_(scale)
+        if slope is not None:
+            dlogits.mul_(slope)
+        dq[:, :, rows] = torch.matmul(dlogits, k[:, :, keys].to(acc)).reshape(b, h, -1, d)
+        dk[:, :, keys] += torch.matmul(dlogits.transpose(-1, -2), q_tile)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -335,6 +373,13 @@ def _flash_attn_usable() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _flash_attn_has_softcap() -> bool:
+    """flash_attn >= 2.6 takes softcap in both directions."""
+    fa = _flash_attn_module()
+    return "softcap" in _parameter_names(fa.flash_attn_func) and "softcap" in _parameter_names(fa._flash_attn_backward)
+
+
+@functools.lru_cache(maxsize=None)
 def _parameter_names(fn) -> frozenset:
     """Names `fn` takes. flash_attn >= 2.7 declares its private ops with torch.library.custom_op,
     whose Python signature is (*args, **kwargs): the op's schema has the real names."""
@@ -360,23 +405,26 @@ def _flash_attn_backward_options(fn) -> tuple:
     return tuple(options.items())
 
 
-def _flash_attn_forward(q, k, v, causal, scale):
+def _flash_attn_forward(q, k, v, causal, scale, softcap=None):
     fa = _flash_attn_module()
     # flash_attn wants (B, S, H, D); HF's q/k/v are transposes of exactly that layout (no copy).
+    capped = {"softcap": softcap} if softcap else {}  # releases before 2.6 have no softcap
     out, lse, *_ = fa.flash_attn_func(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        softmax_scale=scale, causal=causal, return_attn_probs=True,
+        softmax_scale=scale, causal=causal, return_attn_probs=True, **capped,
     )
     return out.transpose(1, 2), lse.float()
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
     fa = _flash_attn_module()
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
     # flash_attn copies dout/out itself only if their last dim is strided; the lse it indexes
     # as a dense (B, H, Sq) array.
     options = dict(_flash_attn_backward_options(fa._flash_attn_backward))
+    if softcap:
+        options["softcap"] = softcap
     fa._flash_attn_backward(
         t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), dq, dk, dv,
         dropout_p=0.0, softmax_scale=scale, causal=causal, **options,
@@ -386,12 +434,19 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
 
 # ---------------------------------------------------------------------- selection
 _BACKENDS = {
-    "math": Backend("math", _math_forward, _math_backward, supports_mask=True),
+    "math": Backend("math", _math_forward, _math_backward, supports_mask=True, supports_softcap=True),
     "cpu_flash": Backend("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, supports_mask=True),
     "cuda_flash": Backend("cuda_flash", _cuda_flash_forward, _cuda_flash_backward),
     "cuda_efficient": Backend("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward, supports_mask=True),
-    "flash_attn": Backend("flash_attn", _flash_attn_forward, _flash_attn_backward),
+    "flash_attn": Backend("flash_attn", _flash_attn_forward, _flash_attn_backward, supports_softcap=True),
 }
+
+
+def _has(name: str, masked: bool, softcap: bool) -> bool:
+    backend = _BACKENDS[name]
+    if softcap and name == "flash_attn" and not _flash_attn_has_softcap():
+        return False
+    return (backend.supports_mask or not masked) and (backend.supports_softcap or not softcap)
 
 
 def _flash_fits(head_dim, capability) -> bool:
@@ -418,11 +473,13 @@ def available_backends(
     head_dim: int | None = None,
     capability: tuple[int, int] | None = None,
     masked: bool = False,
+    softcap: bool = False,
 ) -> list[str]:
     """Backends usable for this device and dtype, fastest first; 'math' is always last.
 
     On CUDA the fused kernels' limits are checked against `head_dim` and the device's compute
-    `capability` (None: not checked). masked=True keeps the backends that take a mask."""
+    `capability` (None: not checked). masked=True keeps the backends that take a mask,
+    softcap=True those that softcap logits."""
     names = []
     if device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         names.append("cpu_flash")
@@ -435,7 +492,7 @@ def available_backends(
         if _efficient_fits(dtype, head_dim, capability):
             names.append("cuda_efficient")
     names.append("math")
-    return [n for n in names if _BACKENDS[n].supports_mask] if masked else names
+    return [n for n in names if _has(n, masked, softcap)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -445,8 +502,9 @@ def _usable_backends(device_type: str, device_index: int | None, dtype: torch.dt
     return tuple(available_backends(device_type, dtype, head_dim, capability))
 
 
-def select_backend(q: torch.Tensor, masked: bool = False) -> Backend:
-    """The backend for attention on tensors like `q`; masked=True: the best that takes a mask."""
+def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False) -> Backend:
+    """The backend for attention on tensors like `q`; masked=True: the best that takes a mask;
+    softcap=True: the best that softcaps logits."""
     choices = _usable_backends(q.device.type, q.device.index, q.dtype, q.shape[-1])
     forced = os.environ.get("EASY_CONTEXT_KERNEL")  # read per call: tests set it
     if forced:
@@ -455,38 +513,45 @@ def select_backend(q: torch.Tensor, masked: bool = False) -> Backend:
                 f"EASY_CONTEXT_KERNEL={forced!r} cannot run {q.dtype} (head dim {q.shape[-1]}) on "
                 f"{q.device}; usable here: {list(choices)}"
             )
-        if not masked or _BACKENDS[forced].supports_mask:
+        if _has(forced, masked, softcap):
             return _BACKENDS[forced]
-    return _BACKENDS[next(n for n in choices if not masked or _BACKENDS[n].supports_mask)]
+    return _BACKENDS[next(n for n in choices if _has(n, masked, softcap))]
 
 
-def _masked_backend(backend: Backend | None, q: torch.Tensor) -> Backend:
-    backend = backend or select_backend(q, masked=True)
-    if not backend.supports_mask:
+def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, softcap) -> Backend:
+    backend = backend or select_backend(q, masked=masked, softcap=bool(softcap))
+    if masked and not backend.supports_mask:
         raise ValueError(f"backend {backend.name!r} cannot take a mask; use select_backend(q, masked=True)")
+    if softcap and not backend.supports_softcap:
+        raise ValueError(f"backend {backend.name!r} cannot softcap logits; use select_backend(q, softcap=True)")
     return backend
 
 
-def attention_forward(q, k, v, causal: bool, scale: float, backend: Backend | None = None, mask=None):
-    """One attention block. Returns out (B, Hq, Sq, D) in q's dtype and lse (B, Hq, Sq) in
-    accumulation_dtype(q.dtype). `mask`: see the module docstring."""
+def _extra(mask, softcap) -> tuple[tuple, dict]:
+    """The optional trailing arguments of a backend call: (mask,) and softcap=c when given."""
+    return ((mask,) if mask is not None else ()), ({"softcap": softcap} if softcap else {})
+
+
+def attention_forward(q, k, v, causal: bool, scale: float, backend: Backend | None = None, mask=None, softcap=None):
+    """One attention block. Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) in
+    accumulation_dtype(q.dtype). `mask`, `softcap`: see the module docstring."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square, got Sq={q.shape[2]} Sk={k.shape[2]}")
-    if mask is None:
-        FORWARD_CALLS.add(q.shape[2], k.shape[2], causal)
-        return (backend or select_backend(q)).forward(q, k, v, causal, scale)
-    mask = _checked_mask(mask, q, k, causal)
-    backend = _masked_backend(backend, q)
-    FORWARD_CALLS.add(q.shape[2], k.shape[2], False, mask)
-    return backend.forward(q, k, v, False, scale, mask)
+    if mask is not None:
+        mask = _checked_mask(mask, q, k, causal)
+    backend = _checked_backend(backend, q, mask is not None, softcap)
+    FORWARD_CALLS.add(q.shape[2], k.shape[2], causal, mask)
+    args, kwargs = _extra(mask, softcap)
+    return backend.forward(q, k, v, causal, scale, *args, **kwargs)
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, causal: bool, scale: float, backend: Backend | None = None, mask=None
+    dout, q, k, v, out, lse, causal: bool, scale: float, backend: Backend | None = None, mask=None, softcap=None
 ):
     """Gradients of one block given the global out/lse of the rows it covers (and the same
-    mask as its forward)."""
-    if mask is None:
-        return (backend or select_backend(q)).backward(dout, q, k, v, out, lse, causal, scale)
-    mask = _checked_mask(mask, q, k, causal)
-    return _masked_backend(backend, q).backward(dout, q, k, v, out, lse, False, scale, mask)
+    mask and softcap as its forward)."""
+    if mask is not None:
+        mask = _checked_mask(mask, q, k, causal)
+    backend = _checked_backend(backend, q, mask is not None, softcap)
+    args, kwargs = _extra(mask, softcap)
+    return backend.backward(dout, q, k, v, out, lse, causal, scale, *args, **kwargs)

@@ -23,10 +23,11 @@ class SeqParallelMode:
     # (sp_size, requested ring_degree or None) -> ring_degree; raises for impossible requests.
     ring_degree: Callable[[int, Optional[int]], int]
     zigzag: bool
-    # (q, k, v, scale, groups: SeqParallelGroups, layer=None, mask=None) -> out;
-    # q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D), out (B, Hq, S_local, D); layer is the
-    # HF attention module (a cache key for checkpoint-aware modes); mask a masking.SequenceMask
-    # over the SP group's whole sequence (None: plain causal). None: the model's own attention.
+    # (q, k, v, scale, groups: SeqParallelGroups, layer=None, mask=None, softcap=None,
+    # sinks=None) -> out; q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D), out (B, Hq, S_local, D);
+    # layer is the HF attention module (a cache key for checkpoint-aware modes); mask a
+    # masking.SequenceMask over the SP group's whole sequence (None: plain causal); softcap
+    # and sinks (Hq,) change the logits (ring.ring_attention). None: the model's own attention.
     attention: Optional[Callable]
 
     def topology(self, world_size: int, sp_size: Optional[int] = None, ring_degree: Optional[int] = None) -> Topology:

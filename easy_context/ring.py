@@ -77,11 +77,13 @@ def _part(x: torch.Tensor, block: Block, rows: slice) -> torch.Tensor:
 
 
 class Kernels:
-    """The backends for one attention call: plain blocks and masked blocks."""
+    """The backends for one attention call (plain blocks and masked blocks) and the logit
+    softcap every block applies (None: none)."""
 
-    def __init__(self, q, masked: bool):
-        self.plain = select_backend(q)
-        self.masked = select_backend(q, masked=True) if masked else None
+    def __init__(self, q, masked: bool, softcap=None):
+        self.softcap = softcap or None
+        self.plain = select_backend(q, softcap=bool(softcap))
+        self.masked = select_backend(q, masked=True, softcap=bool(softcap)) if masked else None
 
     def __call__(self, block: Block):
         return self.masked if block.mask is not None else self.plain
@@ -95,7 +97,7 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
     for block in blocks:
         block_out, block_lse = attention_forward(
             _part(q, block, block.q), _part(k, block, block.kv), _part(v, block, block.kv),
-            block.causal, scale, kernels(block), mask=block.mask,
+            block.causal, scale, kernels(block), mask=block.mask, softcap=kernels.softcap,
         )
         if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
             out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
@@ -115,6 +117,30 @@ def _empty_state(q, acc):
 def finish_forward(q, state):
     out, lse = state if state is not None else _empty_state(q, accumulation_dtype(q.dtype))
     return out.to(q.dtype), lse
+
+
+# Attention sinks (gpt-oss): a learned logit per head that joins every row's softmax
+# denominator once, with a value of zero. Folding it into the merged (out, lse) makes the
+# result the attention over the keys plus the sink. The backward then needs nothing new: with
+# that out and lse, the kernels' usual backward (p = exp(s - lse), delta = rowsum(dout * out))
+# is exactly the gradient of the attention with the sink, and the sink's own gradient is
+# -sum over rows of exp(sink - lse) * delta.
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks) -> tuple:
+    """(out, lse) of q's rows over every key -> the same with the sinks (Hq,) in the softmax."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.to(lse.dtype)[None, :, None]
+    total = torch.logaddexp(lse, sink)
+    return (out * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype), total
+
+
+def sinks_grad(dout, out, lse, sinks):
+    """d loss / d sinks for rows whose (out, lse) include the sinks (fold_sinks)."""
+    if sinks is None or not sinks.requires_grad:
+        return None
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, S)
+    return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def _accumulate(total, block: Block, rows: slice, block_grad, like, acc):
@@ -138,6 +164,7 @@ def backward_blocks(dout, q, k, v, out, lse, blocks: Sequence[Block], scale, ker
         block_dq, block_dk, block_dv = attention_backward(
             _part(dout, block, rows), _part(q, block, rows), _part(k, block, block.kv), _part(v, block, block.kv),
             _part(out, block, rows), lse[block.batch, :, rows], block.causal, scale, kernels(block), mask=block.mask,
+            softcap=kernels.softcap,
         )
         dq = _accumulate(dq, block, rows, block_dq, q, acc)
         dk = _accumulate(dk, block, block.kv, block_dk, k, acc)
@@ -188,9 +215,9 @@ class RingComm:
         self.size = dist.get_world_size(group)
 
 
-def _ring_forward(q, k, v, scale, plan, comm):
+def _ring_forward(q, k, v, scale, plan, comm, softcap=None):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
-    kernels = Kernels(q, plan.masked)
+    kernels = Kernels(q, plan.masked, softcap)
     state = None
     for step, kv in _kv_by_step(comm, plan, k, v):
         if plan.needs(step, rank, size):
@@ -199,9 +226,9 @@ def _ring_forward(q, k, v, scale, plan, comm):
     return finish_forward(q, state)
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale, plan, comm):
+def _ring_backward(dout, q, k, v, out, lse, scale, plan, comm, softcap=None):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
-    kernels = Kernels(q, plan.masked)
+    kernels = Kernels(q, plan.masked, softcap)
     lse = safe_lse(lse, plan.masked)
     dq = own_dk = own_dv = None
     returning = None  # the previous step's dK/dV exchange
@@ -247,24 +274,25 @@ def _add_returned(pending: Pending, own_dk, own_dv):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, plan, comm):
-        out, lse = _ring_forward(q, k, v, scale, plan, comm)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.plan, ctx.comm = scale, plan, comm
+    def forward(ctx, q, k, v, sinks, scale, plan, comm, softcap):
+        out, lse = fold_sinks(*_ring_forward(q, k, v, scale, plan, comm, softcap), sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.scale, ctx.plan, ctx.comm, ctx.softcap = scale, plan, comm, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.plan, ctx.comm)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.scale, ctx.plan, ctx.comm, ctx.softcap)
+        return dq, dk, dv, sinks_grad(dout, out, lse, sinks), None, None, None, None
 
 
-def ring_attention(q, k, v, scale: float, plan: RingPlan, group=None) -> torch.Tensor:
+def ring_attention(q, k, v, scale: float, plan: RingPlan, group=None, softcap=None, sinks=None) -> torch.Tensor:
     """Exact attention of the local queries against the K/V of every rank in `group`.
 
     q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D); returns (B, Hq, S_local, D).
-    `group=None` or a group of one rank computes plain local attention.
+    `group=None` or a group of one rank computes plain local attention. softcap: logits
+    c * tanh(s / c); sinks (Hq,): a learned logit per head in every row's softmax.
     """
     comm = RingComm(group) if group is not None and dist.get_world_size(group) > 1 else None
-    return _RingAttention.apply(q, k, v, scale, plan, comm)
+    return _RingAttention.apply(q, k, v, sinks, scale, plan, comm, softcap)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import hf
+from .architectures import check_training_config
 from .api import _all_gather, _options, _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
 from .modes import get_mode
 from .process_groups import get_groups
@@ -55,8 +56,8 @@ def prepare_trainer(mode: str, trainer, **options):
     resolved = get_mode(mode)
     if isinstance(trainer, SeqParallelTrainerMixin):
         raise ValueError("prepare_trainer was already called on this trainer")
-    model_type = getattr(getattr(trainer.model, "config", None), "model_type", None)
-    if model_type is None:
+    config = getattr(trainer.model, "config", None)
+    if getattr(config, "model_type", None) is None:
         raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
     if resolved.attention is not None:
         _check_supported(trainer)
@@ -66,7 +67,7 @@ def prepare_trainer(mode: str, trainer, **options):
                              "create the trainer with TrainingArguments(use_cpu=True)")
     # Options not given default to an active patch's for this mode (and may not contradict them).
     options = {k: v for k, v in _options("prepare_trainer", resolved, options).items() if v is not None}
-    apply_seq_parallel_monkey_patch(mode, model_type, **options)
+    apply_seq_parallel_monkey_patch(mode, config, **options)  # the config: its text decoder's type
     if resolved.attention is None:  # data_parallel: the Trainer already is one
         return trainer
     topology, resolved_options = _topology("prepare_trainer", resolved, trainer.accelerator.num_processes, options)
@@ -91,6 +92,7 @@ def _check_supported(trainer) -> None:
     if getattr(trainer, "compute_loss_func", None) is not None:
         raise ValueError("compute_loss_func is not supported by prepare_trainer: it would get this rank's share of "
                          "each row; the model's own loss (labels / shift_labels) is")
+    check_training_config(trainer.model.config)
     if not getattr(trainer, "model_accepts_loss_kwargs", True):
         raise ValueError(f"{type(trainer.model).__name__}.forward takes no **kwargs (num_items_in_batch, shift_labels); "
                          "prepare_trainer needs a model whose loss takes them, as transformers' causal LMs do")

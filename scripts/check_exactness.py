@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import easy_context as ec
 from easy_context import kernels
+from easy_context.architectures import attn_implementation
 
 METRICS = ("logits", "loss", "grads")  # max |logits error|, |loss error|, max relative gradient error
 FP32_BOUNDS = (1e-4, 1e-5, 1e-4)
@@ -102,11 +103,14 @@ def main():
     dist.init_process_group("nccl" if cuda else "gloo", **bind)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = AutoConfig.for_model(args.model_type, vocab_size=1024, hidden_size=128, intermediate_size=256,
-                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, attention_dropout=0.0)
+                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, attention_dropout=0.0,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if hasattr(config, "kv_lora_rank"):  # MLA (DeepSeek-V3): one K/V head per query head
+        config.num_key_value_heads = config.num_attention_heads
 
     def model(weights=torch.float32, compute=None):
         torch.manual_seed(0)
-        built = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(weights)
+        built = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config)).to(weights)
         return built.to(compute or weights).to(device)
 
     tokens = torch.randint(0, 1024, (1, args.seq_length + 1), generator=torch.Generator().manual_seed(1))

@@ -305,7 +305,8 @@ def fake_flash_attn(backward, module=kernels):
     package = types.ModuleType("flash_attn")
     package.flash_attn_interface = interface
     saved = {name: sys.modules.get(name) for name in (package.__name__, interface.__name__)}
-    caches = [getattr(module, n) for n in ("_flash_attn_module", "_flash_attn_usable") if hasattr(module, n)]
+    caches = [getattr(module, n) for n in ("_flash_attn_module", "_flash_attn_usable", "_flash_attn_has_softcap")
+              if hasattr(module, n)]
     sys.modules.update({package.__name__: package, interface.__name__: interface})
     for cache in caches:
         cache.cache_clear()
@@ -343,6 +344,33 @@ def check_flash_attn_backend(module, backward, dtype=torch.float32, hq=4, hkv=2,
 @pytest.mark.parametrize("hq,hkv,causal", [(4, 2, True), (4, 4, False)])
 def test_flash_attn_backward_passes_through_each_release_signature(backward, dtype, hq, hkv, causal):
     check_flash_attn_backend(kernels, backward, dtype, hq, hkv, causal)
+
+
+def test_flash_attn_gets_the_softcap_in_both_directions_where_the_release_has_it():
+    """flash_attn >= 2.6 softcaps in its kernels: the value reaches both calls. Older releases
+    (2.0 here) have no softcap: a softcapped call never picks flash_attn."""
+    seen = {}
+
+    def forward(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        seen["forward"] = softcap
+        return fake_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
+
+    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes, deterministic, rng_state=None):
+        seen["backward"] = softcap
+
+    q, k, v, dout = inputs(4, 2, 16, 16, torch.float16, layout="bshd")
+    be = kernels._BACKENDS["flash_attn"]
+    with fake_flash_attn(backward):
+        sys.modules["flash_attn.flash_attn_interface"].flash_attn_func = forward
+        assert kernels._has("flash_attn", masked=False, softcap=True)
+        out, lse = kernels.attention_forward(q, k, v, True, 0.3, be, softcap=30.0)
+        kernels.attention_backward(dout, q, k, v, out, lse, True, 0.3, be, softcap=30.0)
+    assert seen == {"forward": 30.0, "backward": 30.0}
+    with fake_flash_attn(flash_attn_2_0_backward):
+        assert not kernels._has("flash_attn", masked=False, softcap=True)
+        assert kernels._has("flash_attn", masked=False, softcap=False)
 
 
 def test_flash_attn_signature_is_read_from_the_custom_op_schema_once():

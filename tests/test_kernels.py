@@ -12,16 +12,27 @@ from easy_context.ring import merge_block
 CPU_BACKENDS = kernels.available_backends("cpu", torch.float32)
 
 
-def reference(q, k, v, causal, scale, mask=None):
+def reference(q, k, v, causal, scale, mask=None, softcap=None, sinks=None):
     """float64 attention with autograd; returns out and lse. Rows with no allowed key: out 0,
-    lse -inf, and (their lse being computed over zeros instead) no NaN in any gradient."""
+    lse -inf, and (their lse being computed over zeros instead) no NaN in any gradient.
+    softcap: logits c * tanh(s / c); sinks (Hq,): a logit per head joining every row's
+    softmax with a zero value (the lse includes it)."""
     q, k, v = (x.double() for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if sinks is not None:  # a last key column: the sink's logit, its value zero
+        scores = torch.cat([scores, sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], -2)
+        mask = None if mask is None else torch.cat([mask.expand(*mask.shape[:-1], k.shape[2]),
+                                                    mask.new_ones(*mask.shape[:-1], 1)], -1)
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
     if causal:
         allowed = allowed.tril()
+        if sinks is not None:
+            allowed[:, -1] = True
     if mask is not None:
         allowed = allowed & mask
     scores = scores.masked_fill(~allowed, -math.inf)
@@ -247,3 +258,67 @@ def test_causal_blocks_must_be_square():
     q, k, v, _ = inputs(4, 2, 32, 64, torch.float32)
     with pytest.raises(ValueError, match="square"):
         kernels.attention_forward(q, k, v, True, 0.25)
+
+
+# ------------------------------------------------------- softcapping, tiles and sinks
+@pytest.mark.parametrize("causal,kind", [(True, None), (False, None), (False, "block_diagonal")])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+def test_softcapped_attention_matches_reference(causal, kind, hq, hkv):
+    q, k, v, dout = inputs(hq, hkv, 48, 48, torch.float32, layout="bshd")
+    q, k = q * 3, k * 3  # logits of order 10: a cap of 2 bends them
+    mask = None if kind is None else make_mask(kind, 48, 48)
+    backend = kernels.select_backend(q, masked=mask is not None, softcap=True)
+    assert backend.name == "math"  # the CPU backend that softcaps
+    out, lse = kernels.attention_forward(q, k, v, causal, 0.25, backend, mask=mask, softcap=2.0)
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal, 0.25, backend, mask=mask, softcap=2.0)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    want = reference(qr, kr, vr, causal, 0.25, mask, softcap=2.0)[0]
+    want.backward(dout.double())
+    assert (want - reference(q, k, v, causal, 0.25, mask)[0]).abs().max() > 0.1  # the cap matters here
+    for got, ref in ((out, want), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert (got.double() - ref).abs().max() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("causal,kind,softcap", [(True, None, None), (False, "random", None), (True, None, 2.0)])
+def test_math_backend_in_row_tiles_equals_one_tile(monkeypatch, causal, kind, softcap):
+    q, k, v, dout = inputs(4, 2, 40, 40, torch.float32)
+    mask = None if kind is None else make_mask(kind, 40, 40)
+    math_backend = kernels._BACKENDS["math"]
+    one = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    one_grads = kernels.attention_backward(dout, q, k, v, *one, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    monkeypatch.setattr(kernels, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
+    assert len(kernels._row_tiles(q, k)) == 6
+    tiled = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    tiled_grads = kernels.attention_backward(dout, q, k, v, *tiled, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    for got, want in zip((*tiled, *tiled_grads), (*one, *one_grads)):  # fp32 sums in another order
+        assert_close(got, want, 1e-6 * max(1.0, want[want != -math.inf].abs().max().item()))
+
+
+def test_softcap_is_never_sent_to_a_backend_without_it(monkeypatch):
+    q, k, v, _ = inputs(4, 2, 16, 16, torch.float32)
+    monkeypatch.setenv("EASY_CONTEXT_KERNEL", "cpu_flash")
+    assert kernels.select_backend(q).name == "cpu_flash"
+    assert kernels.select_backend(q, softcap=True).name == "math"
+    with pytest.raises(ValueError, match="cannot softcap"):
+        kernels.attention_forward(q, k, v, True, 0.25, kernels._BACKENDS["cpu_flash"], softcap=2.0)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_sinks_folded_after_the_merge_equal_a_softmax_with_the_sink(softcap):
+    """ring.fold_sinks / sinks_grad on one rank: out, dq, dk, dv and d sinks against autograd
+    through a softmax with the sink column (gpt-oss's eager attention)."""
+    from easy_context.ring import ring_attention
+    from easy_context.zigzag_ring_attn import PLAN
+
+    q, k, v, dout = inputs(4, 2, 40, 40, torch.float32, layout="bshd")
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out = ring_attention(*leaves[:3], 0.25, PLAN, None, softcap=softcap, sinks=leaves[3])
+    out.backward(dout)
+    refs = [x.double().requires_grad_() for x in (q, k, v, sinks)]
+    want = reference(*refs[:3], True, 0.25, softcap=softcap, sinks=refs[3])[0]
+    want.backward(dout.double())
+    assert (want - reference(q, k, v, True, 0.25, softcap=softcap)[0]).abs().max() > 0.05  # the sinks matter
+    assert (out.double() - want).abs().max() <= 2e-5
+    for leaf, ref in zip(leaves, refs):
+        assert (leaf.grad.double() - ref.grad).abs().max() <= 2e-5 * max(1.0, ref.grad.abs().max().item())

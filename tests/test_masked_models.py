@@ -5,6 +5,7 @@ gradient, fp32, GQA, batch 1 and 2."""
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from distributed import run_ranks
 from easy_context import (
@@ -40,7 +41,22 @@ CASES = {
     "window-60": ("mistral", {"sliding_window": 60}, 1, None, None),  # longer than a P=2 shard (48)
     "per-layer-windows": ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}, 1, None, None),
     "packed-padded-window": ("mistral", {"sliding_window": 30}, 2, PACKED_ROWS, PADDING),
+    # Issue 15's attention features under the same masks: sinks with padding rows that attend
+    # nothing but the sink, softcapped masked tiles, padded value columns (MLA). gpt-oss and
+    # Gemma 2 alternate windowed and global layers, which the reference's single 4D mask cannot
+    # express: they are packed or padded, each of which transformers builds its masks for
+    # (except gpt-oss packed: see BY_DOCUMENT).
+    "sinks-packed": ("gpt_oss", {"sliding_window": 20}, 2, PACKED_ROWS, None),
+    "sinks-padded": ("gpt_oss", {"sliding_window": 20}, 2, None, PADDING),
+    "softcap-packed": ("gemma2", {"sliding_window": 20}, 2, PACKED_ROWS, None),
+    "softcap-padded": ("gemma2", {"sliding_window": 20}, 2, None, PADDING),
+    "mla-packed-padded": ("deepseek_v3", {}, 2, PACKED_ROWS, PADDING),
 }
+
+# transformers 5.24's gpt-oss builds its masks without position_ids, so unlike every other
+# model it lets packed documents attend each other. We keep the documents apart for every
+# model (HF's packing convention); the reference for these cases runs each document alone.
+BY_DOCUMENT = {"sinks-packed"}
 
 RUNS = [
     ("zigzag_ring_attn", 2, {}),
@@ -69,7 +85,7 @@ def summed_grads(model, group):
 
 
 def worker(rank, world_size, mode, options):
-    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    for model_type in sorted({case[0] for case in CASES.values()}):
         apply_seq_parallel_monkey_patch(mode, model_type, **options)
     group = active_patch().groups().sp
     results = {}
@@ -103,10 +119,24 @@ def rule_mask(positions, padding, window):
     return allowed[:, None]
 
 
+def documents_alone(model, input_ids, positions):
+    """Logits (B, S, V) of every document of every row, each run through the model alone."""
+    rows = []
+    for ids, row_positions in zip(input_ids, positions):
+        starts = (row_positions == 0).nonzero().flatten().tolist() + [len(row_positions)]
+        rows.append(torch.cat([model(input_ids=ids[None, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])], 1))
+    return torch.cat(rows)
+
+
 def reference(name):
     model_type, overrides, batch, positions, mask = CASES[name]
     model = tiny_model(model_type, **overrides)
     input_ids, target_ids = targets(batch, mask)
+    if name in BY_DOCUMENT:
+        logits = documents_alone(model, input_ids, positions[:batch])
+        loss = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), ignore_index=-100)
+        loss.backward()
+        return logits.detach(), loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
     mask = None if mask is None else mask[:batch]
     positions = None if positions is None else positions[:batch]
     hf_mask = mask

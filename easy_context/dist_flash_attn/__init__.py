@@ -17,7 +17,7 @@ from ..masking import FULL_ROWS, Block
 from ..modes import SeqParallelMode, fixed_ring_degree
 from ..p2p import buffer_like, exchange
 from ..remat import AttentionOutputCache, in_backward
-from ..ring import Kernels, backward_blocks, finish_forward, forward_blocks, merge_block, safe_lse
+from ..ring import Kernels, backward_blocks, finish_forward, fold_sinks, forward_blocks, merge_block, safe_lse, sinks_grad
 from .schedule import Unit, balanced_schedule
 
 __all__ = ["dist_flash_attention", "REMAT_CACHE", "MODE"]
@@ -102,8 +102,8 @@ def _worker(u):
     return u.worker
 
 
-def _forward(q, k, v, scale, group, me, plan, rounds):
-    kernels = Kernels(q, plan.masked)
+def _forward(q, k, v, scale, group, me, plan, rounds, softcap=None):
+    kernels = Kernels(q, plan.masked, softcap)
     rows = lambda u, x: x[:, :, plan.rows(u)]  # noqa: E731  (rows of a q-side tensor)
 
     def fetch(units):
@@ -156,8 +156,8 @@ def _merge_returned(units, pending, merge):
         merge(units[i], block_out, block_lse)
 
 
-def _backward(dout, q, k, v, out, lse, scale, group, me, plan, rounds):
-    kernels, acc = Kernels(q, plan.masked), accumulation_dtype(q.dtype)
+def _backward(dout, q, k, v, out, lse, scale, group, me, plan, rounds, softcap=None):
+    kernels, acc = Kernels(q, plan.masked, softcap), accumulation_dtype(q.dtype)
     lse = safe_lse(lse, plan.masked)
     rows = lambda u, x: x[:, :, plan.rows(u)]  # noqa: E731
     q_side = lambda u: [rows(u, x) for x in (q, dout, out, lse)]  # noqa: E731
@@ -218,7 +218,7 @@ def _backward(dout, q, k, v, out, lse, scale, group, me, plan, rounds):
 
 class _DistFlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, group, layer, mask, graph):
+    def forward(ctx, q, k, v, sinks, scale, group, layer, mask, graph, softcap):
         me = dist.get_rank(group) if group is not None else 0
         size = dist.get_world_size(group) if group is not None else 1
         plan = _Plan(mask, size, q.shape[2], q.device)
@@ -228,38 +228,42 @@ class _DistFlashAttention(torch.autograd.Function):
         if cached is not None:  # a checkpointed layer re-running its forward: nothing to recompute
             out, lse = cached
         else:
-            out, lse = _forward(q, k, v, scale, group, me, plan, rounds)
+            out, lse = fold_sinks(*_forward(q, k, v, scale, group, me, plan, rounds, softcap), sinks)
             if layer is not None and layer.training and not in_backward():
                 tag = REMAT_CACHE.put(layer, out, lse, graph)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds, ctx.layer, ctx.tag = scale, group, me, plan, rounds, layer, tag
+        ctx.softcap = softcap
         return out.detach()
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         if ctx.tag is not None:
             REMAT_CACHE.discard(ctx.layer, ctx.tag)  # not checkpointed: the entry was never needed
             served = REMAT_CACHE.served(ctx.layer)
             if served is not None and served != ctx.tag:
                 # The re-run got another forward's output (a forward ran between ours and this
                 # backward): recompute ours. Every rank sees the same sequence of calls.
-                out, lse = _forward(q, k, v, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds)
-        grads = _backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds)
-        return (*grads, None, None, None, None, None)
+                out, lse = fold_sinks(*_forward(q, k, v, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds, ctx.softcap), sinks)
+        grads = _backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds, ctx.softcap)
+        return (*grads, sinks_grad(dout, out, lse, sinks), None, None, None, None, None, None)
 
 
-def dist_flash_attention(q, k, v, scale, group=None, layer=None, mask=None):
+def dist_flash_attention(q, k, v, scale, group=None, layer=None, mask=None, softcap=None, sinks=None):
     """Causal attention of contiguously sharded q/k/v over `group`. `layer` (the HF
     attention module) enables checkpoint-aware reuse of the forward output; `mask` (a
-    SequenceMask over the group's whole sequence) restricts the attention further."""
+    SequenceMask over the group's whole sequence) restricts the attention further; softcap
+    and sinks as in ring.ring_attention."""
     # Grad mode is off inside autograd.Function.forward: read it here.
-    return _DistFlashAttention.apply(q, k, v, scale, group, layer, mask, torch.is_grad_enabled())
+    return _DistFlashAttention.apply(q, k, v, sinks, scale, group, layer, mask, torch.is_grad_enabled(), softcap)
 
 
 MODE = SeqParallelMode(
     "dist_flash_attn",
     ring_degree=fixed_ring_degree("dist_flash_attn", lambda sp: sp, "it has no Ulysses part"),
     zigzag=False,
-    attention=lambda q, k, v, scale, groups, layer=None, mask=None: dist_flash_attention(q, k, v, scale, groups.ring, layer, mask),
+    attention=lambda q, k, v, scale, groups, layer=None, mask=None, **logits: dist_flash_attention(
+        q, k, v, scale, groups.ring, layer, mask, **logits
+    ),
 )

@@ -61,13 +61,14 @@ def heads_to_seq(x, group):
     return _AllToAll.apply(x, group, _SEQ, _HEADS)
 
 
-def ulysses_attention(q, k, v, scale, groups, layer=None, mask=None):
+def ulysses_attention(q, k, v, scale, groups, layer=None, mask=None, softcap=None, sinks=None):
     """Ulysses over groups.ulysses around a zigzag ring over groups.ring (a local kernel
     when the ring has one rank). After the all-to-all the ring holds its ring-level share of
-    the whole sequence, so `mask` (over the whole sequence) applies unchanged."""
+    the whole sequence, so `mask` (over the whole sequence) applies unchanged; each rank
+    applies the sinks (Hq,) of the heads it holds."""
     degree, group = groups.topology.ulysses_degree, groups.ulysses
     if group is None:
-        return zigzag_ring_attention(q, k, v, scale, groups.ring, mask)
+        return zigzag_ring_attention(q, k, v, scale, groups.ring, mask, softcap, sinks)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % degree:
         sp = groups.topology.sp_size
@@ -81,7 +82,9 @@ def ulysses_attention(q, k, v, scale, groups, layer=None, mask=None):
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     q, k, v = (seq_to_heads(x, group) for x in (q, k, v))
-    return heads_to_seq(zigzag_ring_attention(q, k, v, scale, groups.ring, mask), group)
+    if sinks is not None:  # rank i of the Ulysses group now holds query heads [i H/U, (i + 1) H/U)
+        sinks = sinks.unflatten(0, (degree, -1))[dist.get_rank(group)]
+    return heads_to_seq(zigzag_ring_attention(q, k, v, scale, groups.ring, mask, softcap, sinks), group)
 
 
 MODE = SeqParallelMode(

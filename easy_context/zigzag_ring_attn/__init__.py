@@ -51,15 +51,18 @@ def ring_plan(mask, group, local_len: int, device):
     return MaskedRingPlan(mask, lambda r: layout.local_indices(seq_len, r), (layout, seq_len), device)
 
 
-def zigzag_ring_attention(q, k, v, scale, group=None, mask=None):
+def zigzag_ring_attention(q, k, v, scale, group=None, mask=None, softcap=None, sinks=None):
     """Causal attention of zigzag-sharded q/k/v over the ranks of `group`; `mask` (a
-    SequenceMask over the group's whole sequence) restricts it further."""
-    return ring_attention(q, k, v, scale, ring_plan(mask, group, q.shape[2], q.device), group)
+    SequenceMask over the group's whole sequence) restricts it further; softcap and sinks as
+    in ring.ring_attention."""
+    return ring_attention(q, k, v, scale, ring_plan(mask, group, q.shape[2], q.device), group, softcap, sinks)
 
 
 MODE = SeqParallelMode(
     "zigzag_ring_attn",
     ring_degree=fixed_ring_degree("zigzag_ring_attn", lambda sp: sp, "use usp_attn to mix a ring with Ulysses"),
     zigzag=True,
-    attention=lambda q, k, v, scale, groups, layer=None, mask=None: zigzag_ring_attention(q, k, v, scale, groups.ring, mask),
+    attention=lambda q, k, v, scale, groups, layer=None, mask=None, **logits: zigzag_ring_attention(
+        q, k, v, scale, groups.ring, mask, **logits
+    ),
 )
