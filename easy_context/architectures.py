@@ -2,8 +2,9 @@
 
 The one list of supported model types. Each is proven equal to the unpatched single-process
 model (logits, loss, every parameter gradient) in every mode family by
-tests/test_architectures.py, on a tiny config that exercises what its attention adds to plain
-causal attention (the `features` below); the README's table is checked against this list.
+tests/test_architectures.py, on a tiny config; the softcap, sinks, MLA head dims and most
+windows are active there, the windows of Mistral, Qwen2 and Qwen3 in
+tests/test_masked_models.py. The README's table is checked against this list.
 
 Refused types fall in two groups: hybrids whose other layers mix tokens along the sequence
 (linear attention, state-space or convolution layers would need their recurrent state passed
@@ -22,7 +23,7 @@ __all__ = [
     "logits_head", "check_training_config",
 ]
 
-# model_type -> what its attention adds to causal GQA attention with RoPE (handled where noted)
+# model_type -> what it adds to Llama's architecture
 SUPPORTED = {
     "llama": (),
     "mistral": ("sliding window",),
@@ -30,7 +31,7 @@ SUPPORTED = {
     "qwen2": ("sliding window layers",),
     "qwen3": ("QK norm", "sliding window layers"),
     "qwen3_moe": ("QK norm", "mixture of experts"),
-    "gemma": ("head dim 256 by default",),
+    "gemma": ("scaled embeddings", "head dim 256 by default"),
     "gemma2": ("logit softcapping", "alternating sliding / global layers"),
     "gemma3_text": ("QK norm", "alternating sliding / global layers, local RoPE base"),
     "phi3": ("fused QKV", "sliding window"),
@@ -44,33 +45,6 @@ SUPPORTED = {
     "deepseek_v3": ("MLA: value head dim != query/key head dim", "mixture of experts"),
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED)
-
-# What a CausalLM forward does to the output layer's result, for the types that do something
-# (train.py and the evaluations call the decoder and the output layer themselves, chunked).
-_LOGIT_TRANSFORMS = {
-    "gemma2": lambda logits, c: _softcap(logits, c.final_logit_softcapping),
-    "gemma3_text": lambda logits, c: _softcap(logits, c.final_logit_softcapping),
-    "granite": lambda logits, c: logits / c.logits_scaling,
-    "cohere2": lambda logits, c: logits * c.logit_scale,
-}
-
-
-def _softcap(logits, cap):
-    return logits if cap is None else torch.tanh(logits / cap) * cap
-
-
-def logits_head(model):
-    """hidden states -> logits exactly as the model's own forward computes them: its output
-    layer (called as a module, so ZeRO-3 gathers its weight), then the architecture's final
-    transform (Gemma 2/3 softcapping, Granite's logits_scaling, Cohere's logit_scale)."""
-    linear = model.get_output_embeddings()
-    config = model.config.get_text_config()
-    transform = _LOGIT_TRANSFORMS.get(config.model_type)
-    return linear if transform is None else functools.partial(_transformed, linear, transform, config)
-
-
-def _transformed(linear, transform, config, hidden):
-    return transform(linear(hidden), config)
 
 _RECURRENT = "layers that carry a recurrent state along the sequence"
 REFUSED = {
@@ -103,12 +77,6 @@ REFUSED = {
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
-def _configs(config) -> list:
-    """The config and the text config nested in it (multimodal wrappers), without repeats."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return [config] if text is config else [config, text]
-
-
 def model_types_of(model_or_type) -> list[str]:
     """The model types a model instance (or config) runs attention under: its decoder's, read
     from the nested text config where there is one. A string is returned as it is."""
@@ -117,7 +85,7 @@ def model_types_of(model_or_type) -> list[str]:
     config = getattr(model_or_type, "config", model_or_type)
     if not hasattr(config, "model_type"):
         raise TypeError(f"expected a model type (str) or a transformers model or config, got {type(model_or_type).__name__}")
-    text = _configs(config)[-1]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: the decoder's
     if text.model_type in REFUSED:  # the known reason first
         check_model_type(text.model_type)
     _check_layer_types(text)
@@ -140,6 +108,9 @@ def check_model_type(model_type: str) -> None:
         return
     if model_type in REFUSED:
         raise ValueError(f"model type {model_type!r} cannot run sequence parallel: {REFUSED[model_type]}")
+    if f"{model_type}_text" in SUPPORTED:  # a multimodal wrapper's type given as a string
+        raise ValueError(f"model type {model_type!r} is a multimodal wrapper: pass the model itself, or its decoder's "
+                         f"type {model_type}_text")
     raise ValueError(
         f"model type {model_type!r} is not supported; supported: {list(SUPPORTED)} (each tested against the "
         "single-process model)"
@@ -171,10 +142,38 @@ def attn_implementation(config) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
+# What a CausalLM forward does to the output layer's result, for the types that do something
+# (train.py and the evaluations call the decoder and the output layer themselves, chunked).
+_LOGIT_TRANSFORMS = {
+    "gemma2": lambda logits, c: _softcap(logits, c.final_logit_softcapping),
+    "gemma3_text": lambda logits, c: _softcap(logits, c.final_logit_softcapping),
+    "granite": lambda logits, c: logits / c.logits_scaling,
+    "cohere2": lambda logits, c: logits * c.logit_scale,
+}
+
+
+def _softcap(logits, cap):
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def logits_head(model):
+    """hidden states -> logits exactly as the model's own forward computes them: its output
+    layer (called as a module, so ZeRO-3 gathers its weight), then the architecture's final
+    transform (Gemma 2/3 softcapping, Granite's logits_scaling, Cohere's logit_scale)."""
+    linear = model.get_output_embeddings()
+    config = model.config.get_text_config()
+    transform = _LOGIT_TRANSFORMS.get(config.model_type)
+    return linear if transform is None else functools.partial(_transformed, linear, transform, config)
+
+
+def _transformed(linear, transform, config, hidden):
+    return transform(linear(hidden), config)
+
+
 def markdown_tables() -> str:
     """The README's model-type tables (tests/test_architectures.py checks the README has them;
     scripts/model_types_table.py prints them)."""
-    lines = ["| model type | what its attention adds to causal (GQA) attention |", "|---|---|"]
+    lines = ["| model type | what it adds to Llama's architecture |", "|---|---|"]
     lines += [f"| `{name}` | {', '.join(features) or 'nothing'} |" for name, features in SUPPORTED.items()]
     lines += ["", "| refused model type | why |", "|---|---|"]
     lines += [f"| `{name}` | {reason} |" for name, reason in REFUSED.items()]

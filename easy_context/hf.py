@@ -174,9 +174,12 @@ def _check_padding(valid: torch.Tensor) -> None:
 
 # Keywords a model's attention module passes its attention function by name are features of
 # the architecture (a softcap, sinks, a window...). Each must be one we implement, or known to
-# change nothing here; anything else is refused, so a new attention feature of a future model
-# can never be dropped silently. The rest of **kwargs is what the caller passed the model
-# (Trainer's shift_labels, our seq_parallel_index...), passed through untouched.
+# change nothing here; anything else is refused. This guards the supported types (all 18 pass
+# only known keywords) against new releases; it reads the calls to `attention_interface(...)`
+# in the class's source, so a feature passed another way (a module attribute, a **dict) is
+# not seen, which is why the list of types stays explicit (architectures.py). The rest of
+# **kwargs is what the caller passed the model (Trainer's shift_labels, our
+# seq_parallel_index...), passed through untouched.
 _LOGIT_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "sinks": "sinks"}
 _KNOWN_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "position_ids", "is_causal", *_LOGIT_KWARGS})
 
@@ -313,12 +316,53 @@ def _make_attention_dispatcher(name):
     return attention
 
 
+# The pieces of transformers' mask functions that describe what SequenceMask describes:
+# causality, padding, packed documents (position_ids) and sliding windows (which reach the
+# attention as its sliding_window argument). A mask built from anything else (bidirectional
+# image tokens, block overlays, chunks, a user's function) is refused, never replaced by ours.
+_MASK_PARTS_WE_DESCRIBE = frozenset(f"transformers.masking_utils.{name}" for name in (
+    "and_masks", "causal_mask_function", "padding_mask_function", "packed_sequence_mask_function",
+    "remap_positions_for_packed_sequence", "add_offsets_to_mask_function", "sliding_window_overlay",
+    "sliding_window_causal_mask_function",
+))
+
+
+def _mask_parts(mask_function) -> set:
+    """module.function of every mask function composed into `mask_function` (and_masks and its
+    kind keep their parts in closure cells)."""
+    parts, pending = set(), [mask_function]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif callable(item) and hasattr(item, "__code__"):
+            parts.add(f"{item.__module__}.{item.__qualname__.split('.')[0]}")
+            for cell in item.__closure__ or ():
+                try:
+                    pending.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+    return parts
+
+
+def _check_mask_function(mask_function) -> None:
+    if mask_function is None:
+        return
+    other = sorted(_mask_parts(mask_function) - _MASK_PARTS_WE_DESCRIBE)
+    if other:
+        raise ValueError(
+            f"the model builds its attention mask with {other} (for example bidirectional attention over image "
+            "tokens); sequence parallelism supports causal masks with padding, packed documents and sliding windows"
+        )
+
+
 def _make_mask_dispatcher(name, original):
     def mask(*args, **kwargs):
         if not _is_patched(kwargs.get("config")):
             return original(*args, **kwargs)
         if name not in SUPPORTED_IMPLEMENTATIONS:
             _refuse_implementation(name)
+        _check_mask_function(kwargs.get("mask_function"))
         # Resolved at the first attention call, where the position_ids are known.
         return ShardedMask(kwargs.get("attention_mask"))
 

@@ -10,13 +10,13 @@ q/k/v usually are (B, H, S, D) views of (B, S, H, D)-dense tensors (HF transpose
 projections); no backend copies them unless its kernel needs another layout.
 
 Masks: `mask` is a bool tensor broadcastable to (B, 1, Sq, Sk), True where the query may
-attend the key, and never given together with causal=True.
+attend the key, and never given together with causal=True. A query row with no allowed key
+gets out 0 and lse -inf on every backend, and zero gradients (never NaN).
 
 Softcapping (Gemma 2): `softcap` c turns each logit s = scale * q.k into c * tanh(s / c)
 before the softmax; the lse is over the capped logits, so blocks still merge exactly.
 Only math (any device) and flash_attn (CUDA) have it; a softcapped call picks the best of
-those (on CPU: math, which materialises one tile of logits at a time). A query row with no allowed key
-gets out 0 and lse -inf on every backend, and zero gradients (never NaN).
+those (on CPU: math, which holds one tile of logits at a time).
 
 Backends, picked per call from the tensors' device, dtype and head dim (override with
 EASY_CONTEXT_KERNEL):
@@ -59,8 +59,8 @@ _INF = float("inf")
 
 class Backend(NamedTuple):
     name: str
-    forward: Callable  # (q, k, v, causal, scale[, mask]) -> (out, lse)
-    backward: Callable  # (dout, q, k, v, out, lse, causal, scale[, mask]) -> (dq, dk, dv)
+    forward: Callable  # (q, k, v, causal, scale[, mask][, softcap=c]) -> (out, lse)
+    backward: Callable  # (dout, q, k, v, out, lse, causal, scale[, mask][, softcap=c]) -> (dq, dk, dv)
     supports_mask: bool = False  # forward/backward take a (B or 1, 1, Sq, Sk) bool mask last
     supports_softcap: bool = False  # forward/backward take softcap=c (logits c * tanh(s / c))
 
@@ -522,8 +522,8 @@ def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, sof
     backend = backend or select_backend(q, masked=masked, softcap=bool(softcap))
     if masked and not backend.supports_mask:
         raise ValueError(f"backend {backend.name!r} cannot take a mask; use select_backend(q, masked=True)")
-    if softcap and not backend.supports_softcap:
-        raise ValueError(f"backend {backend.name!r} cannot softcap logits; use select_backend(q, softcap=True)")
+    if softcap and not _has(backend.name, masked, True):
+        raise ValueError(f"backend {backend.name!r} cannot softcap logits (here); use select_backend(q, softcap=True)")
     return backend
 
 

@@ -49,9 +49,9 @@ def load_pretrained(source: str, rope_theta: float | None = None, dtype: torch.d
 def check_config(config, topology, seq_length: int, mode: str) -> None:
     """What sequence parallelism cannot run yet, refused before the first forward (with the
     value and what would work) rather than from inside it."""
+    config = config.get_text_config()  # a multimodal wrapper: its decoder's
     if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         raise ValueError(f"the model has attention_dropout={config.attention_dropout}; sequence parallelism needs 0.0")
-    config = config.get_text_config()
     heads = config.num_attention_heads
     if heads % topology.ulysses_degree:
         raise ValueError(f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "

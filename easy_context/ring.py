@@ -114,8 +114,10 @@ def _empty_state(q, acc):
     return torch.zeros_like(q, dtype=acc), torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
 
 
-def finish_forward(q, state):
-    out, lse = state if state is not None else _empty_state(q, accumulation_dtype(q.dtype))
+def finish_forward(q, state, sinks=None):
+    """The merged (out, lse) of q's rows, with the sinks folded in (before out is cast to q's
+    dtype: one rounding)."""
+    out, lse = fold_sinks(*(state if state is not None else _empty_state(q, accumulation_dtype(q.dtype))), sinks)
     return out.to(q.dtype), lse
 
 
@@ -129,9 +131,10 @@ def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks) -> tuple:
     """(out, lse) of q's rows over every key -> the same with the sinks (Hq,) in the softmax."""
     if sinks is None:
         return out, lse
-    sink = sinks.to(lse.dtype)[None, :, None]
-    total = torch.logaddexp(lse, sink)
-    return (out * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype), total
+    if sinks.shape != (lse.shape[1],):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({lse.shape[1]},), got {tuple(sinks.shape)}")
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    return out * torch.exp(lse - total).unsqueeze(-1).to(out.dtype), total
 
 
 def sinks_grad(dout, out, lse, sinks):
@@ -215,7 +218,7 @@ class RingComm:
         self.size = dist.get_world_size(group)
 
 
-def _ring_forward(q, k, v, scale, plan, comm, softcap=None):
+def _ring_forward(q, k, v, scale, plan, comm, softcap=None, sinks=None):
     size, rank = (comm.size, comm.rank) if comm else (1, 0)
     kernels = Kernels(q, plan.masked, softcap)
     state = None
@@ -223,7 +226,7 @@ def _ring_forward(q, k, v, scale, plan, comm, softcap=None):
         if plan.needs(step, rank, size):
             blocks = plan.blocks(step, rank, size, q.shape[2], k.shape[2])
             state = forward_blocks(q, kv[0], kv[1], blocks, scale, kernels, state)
-    return finish_forward(q, state)
+    return finish_forward(q, state, sinks)
 
 
 def _ring_backward(dout, q, k, v, out, lse, scale, plan, comm, softcap=None):
@@ -275,7 +278,7 @@ def _add_returned(pending: Pending, own_dk, own_dv):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, scale, plan, comm, softcap):
-        out, lse = fold_sinks(*_ring_forward(q, k, v, scale, plan, comm, softcap), sinks)
+        out, lse = _ring_forward(q, k, v, scale, plan, comm, softcap, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.scale, ctx.plan, ctx.comm, ctx.softcap = scale, plan, comm, softcap
         return out

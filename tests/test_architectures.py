@@ -145,6 +145,7 @@ REFUSALS = [
     ("lfm2", "convolution"),
     ("llama4_text", "chunked-attention"),
     ("gpt2", "is not supported; supported: ['llama'"),
+    ("gemma3", "a multimodal wrapper: pass the model itself, or its decoder's type gemma3_text"),
 ]
 
 
@@ -215,7 +216,13 @@ def test_moe_router_loss_is_refused_for_training():
     check_training_config(tiny_config("mixtral"))
 
 
-SCRIPT_TYPES = ["gemma2", "gpt_oss", "deepseek_v3"]  # eager attention + final softcap, sinks + MoE, MLA
+# (type, mode and flags): eager attention + final softcap; sinks + MoE through dist_flash's
+# checkpoint-aware reuse of the attention output; MLA through Ulysses
+SCRIPT_RUNS = {
+    "gemma2": ["--parallel_mode", "zigzag_ring_attn"],
+    "gpt_oss": ["--parallel_mode", "dist_flash_attn", "--activation-checkpointing"],
+    "deepseek_v3": ["--parallel_mode", "ulysses_attn"],
+}
 
 
 def saved_tiny_model(path, model_type):
@@ -228,14 +235,14 @@ def saved_tiny_model(path, model_type):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model_type", SCRIPT_TYPES)
+@pytest.mark.parametrize("model_type", SCRIPT_RUNS)
 def test_train_py_trains_any_supported_type_like_data_parallel(tmp_path, model_type):
     from test_train import train
 
     model = saved_tiny_model(tmp_path / "model", model_type)
     steps = ["--model", str(model), "--max-train-steps", "2"]
     want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps)
-    got, _ = train(tmp_path, "zigzag", 2, "--parallel_mode", "zigzag_ring_attn", *steps)
+    got, _ = train(tmp_path, "parallel", 2, *SCRIPT_RUNS[model_type], *steps)
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
 
@@ -281,3 +288,34 @@ def test_eval_needle_runs_gpt_oss_exactly(tmp_path):
     for a, b in zip(parallel, single):
         assert (a["predicted"], a["tokens"], a["value"]) == (b["predicted"], b["tokens"], b["value"])
         assert abs(float(a["answer_nll"]) - float(b["answer_nll"])) <= 1e-5
+
+
+def test_a_mask_we_cannot_describe_is_refused_not_replaced():
+    """transformers composes masks from functions; ours describes causality, padding, packed
+    documents and windows. A mask with anything else (Gemma 3's bidirectional image blocks:
+    blockwise_overlay OR'd in) is refused when it is built."""
+    from transformers.masking_utils import (
+        blockwise_overlay,
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+        sliding_window_overlay,
+    )
+
+    config = tiny_config("gemma3_text")
+    config._attn_implementation = "sdpa"
+    embeds, positions = torch.zeros(1, 16, 64), torch.arange(16)[None]
+    packed = torch.cat([torch.arange(8), torch.arange(8)])[None]
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", "gemma3_text")
+    try:
+        for build, position_ids, padding in ((create_causal_mask, positions, None),
+                                             (create_sliding_window_causal_mask, positions, None),
+                                             (create_causal_mask, packed, None),
+                                             (create_sliding_window_causal_mask, positions, torch.ones(1, 16, dtype=torch.long))):
+            mask = build(config=config, inputs_embeds=embeds, attention_mask=padding, cache=None, position_ids=position_ids)
+            assert isinstance(mask, hf.ShardedMask)
+        with pytest.raises(ValueError, match=r"attention mask with \[.*blockwise_overlay.*\(for example bidirectional"):
+            create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions,
+                               or_mask_function=blockwise_overlay(torch.zeros(1, 16, dtype=torch.long)),
+                               and_mask_function=sliding_window_overlay(8))
+    finally:
+        remove_seq_parallel_monkey_patch()

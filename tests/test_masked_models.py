@@ -40,6 +40,8 @@ CASES = {
     "window-40": ("mistral", {"sliding_window": 40}, 1, None, None),  # longer than a P=4 shard
     "window-60": ("mistral", {"sliding_window": 60}, 1, None, None),  # longer than a P=2 shard (48)
     "per-layer-windows": ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}, 1, None, None),
+    "qwen3-per-layer-windows": ("qwen3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 20}, 1,
+                                None, None),
     "packed-padded-window": ("mistral", {"sliding_window": 30}, 2, PACKED_ROWS, PADDING),
     # Issue 15's attention features under the same masks: sinks with padding rows that attend
     # nothing but the sink, softcapped masked tiles, padded value columns (MLA). gpt-oss and

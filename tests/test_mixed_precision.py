@@ -28,7 +28,8 @@ from tiny_models import tiny_batch, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, STEPS, LR = 128, 3, 3e-3
-MODEL_TYPES = ("llama", "qwen3")  # both GQA (4 query / 2 KV heads); qwen3 adds q/k norms and head_dim 16
+MODEL_TYPES = ("llama", "qwen3", "gemma2", "gpt_oss")  # GQA (4 query / 2 KV heads); qwen3: q/k norms, head_dim 16;
+# gemma2: softcapping in the math kernel; gpt_oss: fp32 sinks folded into bf16 attention
 # usp_attn at 2 ranks is exactly zigzag_ring_attn (ring_degree 2) or ulysses_attn (1); at 4
 # ranks with ring_degree 2 it runs a ring and Ulysses at once.
 RUNS = [

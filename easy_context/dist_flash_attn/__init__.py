@@ -102,7 +102,7 @@ def _worker(u):
     return u.worker
 
 
-def _forward(q, k, v, scale, group, me, plan, rounds, softcap=None):
+def _forward(q, k, v, scale, group, me, plan, rounds, softcap=None, sinks=None):
     kernels = Kernels(q, plan.masked, softcap)
     rows = lambda u, x: x[:, :, plan.rows(u)]  # noqa: E731  (rows of a q-side tensor)
 
@@ -148,6 +148,7 @@ def _forward(q, k, v, scale, group, me, plan, rounds, softcap=None):
         ))
     if returning is not None:
         _merge_returned(*returning, merge)
+    out, lse = fold_sinks(out, lse, sinks)  # on the fp32 accumulators, before the cast
     return out.to(q.dtype), lse
 
 
@@ -228,7 +229,7 @@ class _DistFlashAttention(torch.autograd.Function):
         if cached is not None:  # a checkpointed layer re-running its forward: nothing to recompute
             out, lse = cached
         else:
-            out, lse = fold_sinks(*_forward(q, k, v, scale, group, me, plan, rounds, softcap), sinks)
+            out, lse = _forward(q, k, v, scale, group, me, plan, rounds, softcap, sinks)
             if layer is not None and layer.training and not in_backward():
                 tag = REMAT_CACHE.put(layer, out, lse, graph)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -245,7 +246,7 @@ class _DistFlashAttention(torch.autograd.Function):
             if served is not None and served != ctx.tag:
                 # The re-run got another forward's output (a forward ran between ours and this
                 # backward): recompute ours. Every rank sees the same sequence of calls.
-                out, lse = fold_sinks(*_forward(q, k, v, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds, ctx.softcap), sinks)
+                out, lse = _forward(q, k, v, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds, ctx.softcap, sinks)
         grads = _backward(dout, q, k, v, out, lse, ctx.scale, ctx.group, ctx.me, ctx.plan, ctx.rounds, ctx.softcap)
         return (*grads, sinks_grad(dout, out, lse, sinks), None, None, None, None, None, None)
 
