@@ -330,9 +330,12 @@ _MASK_PARTS_WE_DESCRIBE = frozenset(f"transformers.masking_utils.{name}" for nam
 def _mask_parts(mask_function) -> set:
     """module.function of every mask function composed into `mask_function` (and_masks and its
     kind keep their parts in closure cells)."""
-    parts, pending = set(), [mask_function]
+    parts, pending, seen = set(), [mask_function], set()
     while pending:
         item = pending.pop()
+        if id(item) in seen:  # a closure may hold itself (a recursive inner function)
+            continue
+        seen.add(id(item))
         if isinstance(item, (list, tuple)):
             pending.extend(item)
         elif callable(item) and hasattr(item, "__code__"):
