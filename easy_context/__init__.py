@@ -9,6 +9,8 @@ Public API (everything a training or evaluation script needs):
     prepare_dataloader(mode, dataloader, accelerator, **options)
     prepare_trainer(mode, trainer, **options)   HF Trainer / TRL SFTTrainer in one line
     gather_seq_parallel_outputs(mode, local_tensor, dim=1, token_index=None, **options)
+    generate(mode, model, input_ids, attention_mask=None, **options_and_generate_kwargs)
+                                    model.generate with the prompt's KV cache sharded over the group
     options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn),
              document_split (a layout per packed row: equal work per rank)
 
@@ -24,6 +26,7 @@ Architecture (one file or folder per concern):
       ulysses_attn/      sequence<->heads all-to-all, KV-head replication
       usp_attn/          Ulysses x ring split of the SP group
       data_parallel/     no sequence parallelism
+    generation.py      generate: sharded prefill, a KV cache sharded over the SP group, HF's decoding
     hf.py              the single transformers integration point (attention + mask registries)
     api.py             the functions above
     trainer.py         prepare_trainer: data by SP group, sharded batches, exact loss for HF Trainer
@@ -44,6 +47,7 @@ from .api import (
     remove_seq_parallel_monkey_patch,
 )
 from .architectures import SUPPORTED_MODEL_TYPES
+from .generation import generate
 from .trainer import prepare_trainer
 from .modes import BUILT_MODES, MODE_NAMES
 
@@ -56,6 +60,7 @@ __all__ = [
     "prepare_dataloader",
     "prepare_trainer",
     "gather_seq_parallel_outputs",
+    "generate",
     "SUPPORTED_MODEL_TYPES",
     "MODE_NAMES",
     "BUILT_MODES",

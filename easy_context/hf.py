@@ -22,6 +22,7 @@ checks now and then that the SP group's weights are still identical (replicas.py
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import math
@@ -152,7 +153,7 @@ def _check_positions(pieces, size: int, rank: int, layout: Layout) -> None:
         raise ValueError(
             f"position_ids on rank {rank} of {size} are the model's default (0..{local_len - 1} on every rank), "
             f"not this rank's {layout.name} share of the sequence. Pass the `local_position_ids` returned "
-            "by prepare_seq_parallel_inputs."
+            "by prepare_seq_parallel_inputs (to generate, use easy_context.generate, not model.generate)."
         )
 
 
@@ -227,12 +228,7 @@ def _equal_head_dims(query, key, value):
     return torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad), value, d_v
 
 
-def _check_supported(module, query, key, attention_mask, kwargs) -> None:
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            f"query length {query.shape[2]} != key length {key.shape[2]}: a KV cache (generation) "
-            "is not supported under sequence parallelism; call the model with use_cache=False"
-        )
+def _check_supported(module, attention_mask, kwargs) -> None:
     if attention_mask is not None and not isinstance(attention_mask, ShardedMask):
         raise ValueError(
             "an explicit attention mask (4D or custom) is not supported under sequence parallelism; pass a 2D "
@@ -251,17 +247,15 @@ def _check_supported(module, query, key, attention_mask, kwargs) -> None:
 
 # ------------------------------------------------------------------ dispatchers
 def _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs):
-    groups = _active.groups()
-    layout = _active.mode.layout(groups.topology)
-    _check_supported(module, query, key, attention_mask, kwargs)
-    sharded = attention_mask if attention_mask is not None else ShardedMask(None)
-    token_index = kwargs.get("seq_parallel_index")
-    if _active.document_split and token_index is None:
-        raise ValueError("the patch has document_split=True: call the model with "
-                         "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs")
-    if token_index is not None and not _active.document_split:
-        raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
-    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
+    if _decoding is not None and _decoding.decoding:
+        _check_supported(module, attention_mask, kwargs)
+        window = kwargs.get("sliding_window")
+
+        def attend(q, k, v, scale, **options):
+            return _decoding.attend(q, k, v, scale, window=window, **options)
+    else:
+        _check_supported(module, attention_mask, kwargs)
+        attend = _mode_attention(module, query, key, attention_mask, kwargs)
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
     options = _logit_options(module, kwargs)
     query, key, value, value_dim = _equal_head_dims(query, key, value)
@@ -273,14 +267,54 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (x.to(dtype) for x in (query, key, value))
         with torch.autocast(device_type, enabled=False):
-            out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask, **options)
+            out = attend(query, key, value, scale, **options)
     else:
         if not query.dtype == key.dtype == value.dtype:
             raise ValueError(f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}) outside autocast")
-        out = _active.mode.attention(query, key, value, scale, groups, layer=module, mask=mask, **options)
+        out = attend(query, key, value, scale, **options)
     if value_dim is not None:
         out = out[..., :value_dim]
     return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
+
+
+def _mode_attention(module, query, key, attention_mask, kwargs):
+    """The active mode's attention over the SP group's shards, with this forward's mask."""
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"query length {query.shape[2]} != key length {key.shape[2]}: a KV cache (generation) "
+            "outside easy_context.generate is not supported under sequence parallelism; call the model with "
+            "use_cache=False, or generate with easy_context.generate(mode, model, input_ids, ...)"
+        )
+    groups = _active.groups()
+    layout = _active.mode.layout(groups.topology)
+    sharded = attention_mask if attention_mask is not None else ShardedMask(None)
+    token_index = kwargs.get("seq_parallel_index")
+    if _active.document_split and token_index is None:
+        raise ValueError("the patch has document_split=True: call the model with "
+                         "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs")
+    if token_index is not None and not _active.document_split:
+        raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
+    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
+
+    def attend(q, k, v, scale, **options):
+        return _active.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)
+
+    return attend
+
+
+# While generation.generate decodes, its ShardedKVCache (one layer call = one decoding step's
+# queries, the same on every rank, against this rank's K/V shard).
+_decoding = None
+
+
+@contextlib.contextmanager
+def decoding(cache):
+    global _decoding
+    previous, _decoding = _decoding, cache
+    try:
+        yield cache
+    finally:
+        _decoding = previous
 
 
 def _original_attention(name, module):

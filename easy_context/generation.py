@@ -1,0 +1,371 @@
+"""Generation at long context: the prompt's K/V sharded over the SP group, decoding exact.
+
+    generate(mode, model, input_ids, attention_mask=None, **options_and_generate_kwargs)
+
+Every rank of an SP group passes the same prompts (B, S) and gets the same output as one
+process's `model.generate` would give. How:
+
+1. Prefill (ours): the first S - 1 prompt tokens run through the model in the mode's layout,
+   like a training forward (padded at the end to a length the layout splits, the padding
+   masked). A `ShardedKVCache` keeps what each layer computed for this rank's tokens: the
+   rank's shard of every layer's K/V, and nothing else.
+2. Decoding (HF's): `model.generate` runs with that cache, so logits processors, stopping
+   criteria, sampling, beam search and EOS handling are transformers' own. It sees a cache
+   holding S - 1 tokens, feeds the last prompt token, then one token per step. Those tokens
+   run on every rank (the same input, the same weights: the same hidden states); only
+   attention differs: each rank attends the step's queries to its own K/V shard
+   (kernels.attention_forward, which returns the log-sum-exp) and one all-gather of the
+   partial (out, lse) per layer merges them exactly (ring.merge_block, in rank order, so
+   every rank gets bitwise the same result). The token with sequence index i is kept by SP
+   rank i % P, so the cache stays balanced.
+
+Where the hook sits: hf.py's attention dispatcher hands a layer's call to the cache's `attend`
+while a ShardedKVCache is decoding (`hf.decoding(cache)`); the prefill goes through the
+mode's own attention. Masks: padding (left-padded batches) and per-layer sliding windows are
+described per cache slot (its sequence index and validity), the same rule as masking.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import Cache, DynamicLayer
+
+from . import hf
+from .api import _topology, prepare_seq_parallel_inputs
+from .kernels import accumulation_dtype, attention_forward
+from .modes import get_mode
+from .process_groups import get_groups
+from .ring import fold_sinks, merge_block
+
+__all__ = ["generate", "ShardedKVCache"]
+
+_OPTION_NAMES = ("sp_size", "ring_degree", "document_split")
+# generate() options that would bypass or fight the sharded cache.
+_REFUSED_KWARGS = {
+    "cache": "generate makes its own sharded cache",
+    "past_key_values": "generate makes its own sharded cache",
+    "cache_implementation": "generate makes its own sharded cache",
+    "assistant_model": "assisted decoding rolls the cache back, which a sharded cache does not do",
+    "prompt_lookup_num_tokens": "prompt lookup rolls the cache back, which a sharded cache does not do",
+    "inputs_embeds": "pass input_ids",
+    "position_ids": "positions follow from attention_mask, as in model.generate",
+}
+GROWTH = 256  # cache slots added at once when a rank's shard of a layer is full (one copy per GROWTH tokens)
+
+
+class _ShardLayer(DynamicLayer):
+    """One layer's K/V on this rank. The prefill's tensors are kept as they come; decoding
+    appends into spare capacity (GROWTH slots at a time) instead of concatenating the whole
+    shard at every token, as DynamicLayer does."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = 0  # slots holding tokens
+        self.length = 0  # the cache's length when this layer was last updated
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values, self.used, self.is_initialized = keys, values, keys.shape[-2], True
+        return keys, values
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor):
+        if not self.is_initialized:
+            self.store(keys[..., :0, :].clone(), values[..., :0, :].clone())
+        added = keys.shape[-2]
+        if self.used + added > self.keys.shape[-2]:
+            self.keys, self.values = (_grown(x, self.used, self.used + added + GROWTH) for x in (self.keys, self.values))
+        self.keys[..., self.used:self.used + added, :] = keys
+        self.values[..., self.used:self.used + added, :] = values
+        self.used += added
+        return self.keys[..., :self.used, :], self.values[..., :self.used, :]
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = (x.index_select(0, index.to(x.device)) for x in (self.keys, self.values))
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.keys, self.values) if x is not None)
+
+
+def _grown(x: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
+    bigger = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
+    bigger[..., :used, :] = x[..., :used, :]
+    return bigger
+
+
+class ShardedKVCache(Cache):
+    """This SP rank's shard of every layer's K/V, for transformers' generate.
+
+    Every slot has a sequence index (-1: padding the prefill added so the layout splits the
+    prompt) and, per batch row, a validity bit (False: padding). `length` is the length of
+    the whole sequence so far, what transformers sees as the cache length.
+    """
+
+    def __init__(self, group, sp_rank: int, sp_size: int):
+        super().__init__(layer_class_to_replicate=_ShardLayer)
+        self.group, self.rank, self.size = group, sp_rank, sp_size
+        self.length = 0
+        self.index: Optional[torch.Tensor] = None  # (slots,) int64
+        self.valid: Optional[torch.Tensor] = None  # (B, slots) bool
+        self.decoding = False
+        self._kept = None  # positions among this step's new tokens that this rank keeps
+        self._masks: dict = {}  # window -> the step's (B, 1, n, slots) mask or None (all allowed)
+
+    # ------------------------------------------------------------ filling
+    def start_prefill(self, index: torch.Tensor, valid: torch.Tensor, length: int) -> None:
+        self.index, self.valid, self.length = index, valid, length
+
+    def start_decoding(self, batch: int, device) -> None:
+        if self.index is None:  # a one-token prompt: nothing was prefilled
+            self.index = torch.empty(0, dtype=torch.long, device=device)
+            self.valid = torch.empty(batch, 0, dtype=torch.bool, device=device)
+        self.decoding = True
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_ShardLayer())
+        layer = self.layers[layer_idx]
+        if not self.decoding:
+            if key_states.shape[-2] != self.index.shape[0]:
+                raise RuntimeError(f"prefill: layer {layer_idx} has {key_states.shape[-2]} tokens, expected {self.index.shape[0]}")
+            layer.length = self.length
+            return layer.store(key_states, value_states)
+        if key_states.shape[0] != self.valid.shape[0]:
+            self._expand_batch(key_states.shape[0])
+        if layer.length == self.length:  # the first layer of this step: admit its tokens
+            self._admit(key_states.shape[-2], key_states.shape[0], key_states.device)
+        layer.length = self.length
+        return layer.append(key_states[..., self._kept, :], value_states[..., self._kept, :])
+
+    def _expand_batch(self, batch: int) -> None:
+        """model.generate repeats each prompt (num_beams, num_return_sequences) before the
+        first step but leaves a cache it was given as it is: repeat the cache alike."""
+        repeats, rest = divmod(batch, self.valid.shape[0])
+        if rest or any(layer.is_initialized and layer.keys.shape[0] != self.valid.shape[0] for layer in self.layers):
+            raise RuntimeError(f"decoding a batch of {batch} rows with a cache of {self.valid.shape[0]} rows")
+        self.batch_repeat_interleave(repeats)
+
+    def _admit(self, new: int, batch: int, device) -> None:
+        indices = torch.arange(self.length, self.length + new, device=device)
+        self._kept = torch.nonzero(indices % self.size == self.rank).flatten()
+        self.index = torch.cat([self.index, indices[self._kept]])
+        self.valid = torch.cat([self.valid, torch.ones(batch, len(self._kept), dtype=torch.bool, device=device)], dim=1)
+        self.length += new
+        self._masks = {}
+
+    # -------------------------------------------------------- attention
+    def step_mask(self, new: int, window: Optional[int]) -> Optional[torch.Tensor]:
+        """(B, 1, new, slots) bool: which local slots the step's queries may attend (the
+        masking.py rule: valid, not after the query, within the window); None when every
+        slot is allowed. Computed once per step and window, shared by the layers."""
+        if window not in self._masks:
+            queries = torch.arange(self.length - new, self.length, device=self.index.device)[:, None]
+            allowed = self.valid[:, None, None, :] & (self.index <= queries)
+            if window is not None:
+                allowed = allowed & (queries - self.index < window)
+            self._masks[window] = None if bool(allowed.all()) else allowed
+        return self._masks[window]
+
+    def attend(self, q, k, v, scale: float, window=None, softcap=None, sinks=None) -> torch.Tensor:
+        """Exact attention of the step's queries q (B, Hq, n, D), the same on every rank, over
+        the K/V of every rank: local partial, one all-gather, log-sum-exp merge."""
+        acc = accumulation_dtype(q.dtype)
+        if k.shape[-2] == 0:  # nothing here yet (a one-token prompt on P ranks)
+            out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc)
+            lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+        else:
+            out, lse = attention_forward(q, k, v, False, scale, mask=self.step_mask(q.shape[2], window), softcap=softcap)
+        out, lse = out.to(acc), lse.to(acc)
+        if self.group is not None:
+            packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()
+            pieces = [torch.empty_like(packed) for _ in range(self.size)]
+            dist.all_gather(pieces, packed, group=self.group)
+            out, lse = pieces[0][..., :-1].clone(), pieces[0][..., -1].clone()
+            for piece in pieces[1:]:  # rank order on every rank: bitwise equal results
+                merge_block(out, lse, piece[..., :-1], piece[..., -1])
+        out, _ = fold_sinks(out, lse, sinks)
+        return out.to(q.dtype)
+
+    # ------------------------------------------ what transformers asks
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_max_length(self, layer_idx=None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a sharded KV cache cannot be rolled back (assisted decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.select_batch(indices)
+        self.valid = self.valid.index_select(0, indices.to(self.valid.device))
+        self._masks = {}
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))
+
+    def nbytes(self) -> int:
+        """Bytes this rank holds for K/V (allocated, spare capacity included)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+# ------------------------------------------------------------------ generate
+def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    """`model.generate(input_ids, attention_mask=..., **kwargs)` with the prompt prefilled in
+    `mode`'s layout and the KV cache sharded over the SP group; returns what model.generate
+    returns, the same on every rank of the group.
+
+    Call apply_seq_parallel_monkey_patch(mode, model) first. Every rank of an SP group passes
+    the same input_ids (B, S) and attention_mask (B, S) (0 = padding; left padding, as for
+    model.generate) and the same generate kwargs; sampling needs the same seed on every rank
+    (torch.manual_seed). Options sp_size, ring_degree, document_split as everywhere else;
+    other keywords go to model.generate (max_new_tokens, do_sample, num_beams, ...).
+    """
+    options = {name: kwargs.pop(name) for name in _OPTION_NAMES if name in kwargs}
+    for name, why in _REFUSED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate: {name} is not supported ({why})")
+    if kwargs.get("use_cache") is False:
+        raise ValueError("generate: use_cache=False is not supported; the sharded KV cache is the point")
+    resolved = get_mode(mode)
+    if resolved.attention is None:  # data_parallel: each rank generates on its own
+        return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    _check_patched(mode, model)
+    topology, options = _topology("generate", resolved, hf.world_size(), options)
+    active = hf.active_patch()
+    patched = active.mode.topology(topology.world_size, active.sp_size, active.ring_degree)
+    if topology != patched:
+        raise ValueError(f"generate: sp_size={topology.sp_size}, ring_degree={topology.ring_degree} differ from the patch's "
+                         f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)")
+    if options["document_split"]:
+        raise ValueError("generate: document_split is for packed rows; a prompt is one document per row "
+                         "(apply the patch without document_split to generate)")
+    groups = get_groups(topology)
+    input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, model)
+    _check_same_everywhere(groups.sp, input_ids, attention_mask, _samples(model, kwargs))
+
+    cache = ShardedKVCache(groups.sp, groups.sp_rank, topology.sp_size)
+    with torch.no_grad():
+        _prefill(mode, model, cache, input_ids, attention_mask, topology, groups.sp_rank, options)
+    cache.start_decoding(input_ids.shape[0], input_ids.device)
+    with hf.decoding(cache):
+        # cache_implementation=None: a model's generation config may name one (Gemma 2: "hybrid"),
+        # which transformers refuses next to a cache it is given; ours replaces it.
+        output = model.generate(input_ids, attention_mask=attention_mask, cache=cache, cache_implementation=None, **kwargs)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    _check_same_everywhere(groups.sp, sequences, None, False, what="generated tokens")
+    return output
+
+
+def _check_patched(mode: str, model) -> None:
+    from .architectures import model_types_of
+
+    active = hf.active_patch()
+    types = set(model_types_of(model))
+    if active is None or active.mode.name != mode or not types <= active.model_types:
+        raise ValueError(
+            f"generate({mode!r}, ...): call apply_seq_parallel_monkey_patch({mode!r}, model) first "
+            f"(active patch: {None if active is None else (active.mode.name, sorted(active.model_types))})"
+        )
+    if model.training:
+        raise ValueError("generate: the model is in training mode; call model.eval() first")
+
+
+def _checked_prompt(input_ids, attention_mask, model):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"generate: input_ids must be a (batch, seq_len) tensor with seq_len >= 1, got {shape}")
+    device = model.device if model.device.type != "meta" else input_ids.device
+    input_ids = input_ids.to(device)
+    if attention_mask is None:  # transformers needs it to see that the cache holds the prompt
+        return input_ids, torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    attention_mask = attention_mask.to(device).long()
+    hf._check_padding(attention_mask.cpu())
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("generate: rows must be left-padded (the last token of every row real), as for model.generate")
+    return input_ids, attention_mask
+
+
+def _samples(model, kwargs) -> bool:
+    """Whether model.generate(**kwargs) will sample (transformers' own reading of the options)."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:  # not a transformers generation model: its generate will say so
+        return False
+    options = {name: value for name, value in kwargs.items() if name != "generation_config"}
+    config, _ = prepare(kwargs.get("generation_config"), **options)
+    return bool(config.do_sample)
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(9973).add_(1)
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), (x.flatten().double() * weights).sum()])
+
+
+def _check_same_everywhere(group, tokens, mask, rng: bool, what: str = "prompts") -> None:
+    """Every rank of the SP group must hold the same prompts (and, when sampling, the same
+    random state): a difference would make the sharded cache a mix of two sequences."""
+    if group is None:
+        return
+    parts = [_fingerprint(tokens)]
+    if mask is not None:
+        parts.append(_fingerprint(mask))
+    if rng:
+        state = torch.cuda.get_rng_state(tokens.device) if tokens.device.type == "cuda" else torch.get_rng_state()
+        parts.append(_fingerprint(state.to(tokens.device)))
+    local = torch.cat(parts)
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local, group=group)
+    if any(not torch.equal(piece, pieces[0]) for piece in pieces):
+        hint = " and random states (seed every rank alike: torch.manual_seed)" if rng else ""
+        raise ValueError(f"generate: the {what}{hint} differ between the ranks of the sequence-parallel group")
+
+
+def _prefill(mode: str, model, cache: ShardedKVCache, input_ids, attention_mask, topology, sp_rank: int, options) -> None:
+    """The first S - 1 prompt tokens through the model in the mode's layout, into the cache."""
+    batch, length = input_ids.shape[0], input_ids.shape[1] - 1
+    if length == 0:
+        return
+    # Positions as model.generate makes them: left padding does not count.
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, :length]
+    layout = get_mode(mode).layout(topology)
+    padded = -(-length // layout.multiple) * layout.multiple  # the end padded so that the layout splits it
+
+    def extend(x):
+        return torch.nn.functional.pad(x[:, :length], (0, padded - length), value=0)
+
+    ids, mask, positions = extend(input_ids), extend(attention_mask), extend(positions)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = prepare_seq_parallel_inputs(
+        mode, ids, positions, None, rank, topology.world_size, ids.device,
+        attention_mask=None if bool(mask.all()) else mask, **options,
+    )
+    columns = layout.local_indices(padded, sp_rank).to(ids.device)
+    index = columns.masked_fill(columns >= length, -1)
+    cache.start_prefill(index, mask[:, columns].bool(), length)
+    model(
+        input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
+        attention_mask=local["local_attention_mask"], cache=cache, use_cache=True, logits_to_keep=1,
+    )

@@ -1,0 +1,211 @@
+"""easy_context.generate on P gloo ranks against one process's model.generate: the same tokens
+and, at every decoding step, the same logits (within the forward bound of test_models.py),
+fp32. Prompts of lengths no layout splits, a one-token prompt, left-padded batches, sampling,
+beam search, and the attention features decoding must keep (windows, sinks, softcap, MLA)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from easy_context import apply_seq_parallel_monkey_patch, generate, remove_seq_parallel_monkey_patch
+from easy_context.generation import GROWTH, ShardedKVCache
+from tiny_models import VOCAB, tiny_model
+
+LOGITS_TOL = 1e-4  # test_models.py's fp32 forward bound; measured <= 3e-7 here
+NEW_TOKENS = 40
+# Lengths that no layout of 2 or 4 ranks splits (1, 37, 130), and one that all do (64).
+PROMPT_LENGTHS = (1, 37, 64, 130)
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+
+
+def prompts(batch: int, length: int, seed: int, left_pad=()):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(left_pad):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+def compare(model, mode, ids, mask, seed=0, **kwargs):
+    """(tokens equal, worst step-logits error, steps) of generate vs one process's generate."""
+    kwargs = {**GREEDY, "max_new_tokens": NEW_TOKENS, **kwargs}
+    torch.manual_seed(seed)
+    want = model.generate(ids, attention_mask=mask, **kwargs)
+    apply_seq_parallel_monkey_patch(mode, model)
+    try:
+        torch.manual_seed(seed)
+        got = generate(mode, model, ids, attention_mask=mask, **kwargs)
+    finally:
+        remove_seq_parallel_monkey_patch()
+    if want.logits is None:
+        return torch.equal(got.sequences, want.sequences), 0.0, got.sequences
+    assert len(got.logits) == len(want.logits)
+    error = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
+    return torch.equal(got.sequences, want.sequences), error, got.sequences
+
+
+def _greedy_worker(rank, world_size, mode):
+    results = {}
+    for model_type in ("llama", "qwen3"):  # qwen3: GQA with a head dim of its own
+        model = tiny_model(model_type).eval()
+        for length in PROMPT_LENGTHS:
+            results[(model_type, length)] = compare(model, mode, *prompts(1, length, seed=length))
+        # Two different prompts, left-padded to one length; a prefix shorter than the layout's split.
+        results[(model_type, "batch2")] = compare(model, mode, *prompts(2, 75, seed=7, left_pad=(0, 29)))
+    return results
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"])
+def test_greedy_generation_matches_one_process(mode, world_size):
+    per_rank = run_ranks(_greedy_worker, world_size, mode, timeout=400)
+    for case, (same, error, sequences) in per_rank[0].items():
+        print(f"{mode} P={world_size} {case}: tokens equal {same}, step logits {error:.1e}")
+        assert same and error <= LOGITS_TOL, case
+        for other in per_rank[1:]:
+            assert torch.equal(other[case][2], sequences), ("ranks differ", case)
+
+
+def _sampling_worker(rank, world_size, mode):
+    model = tiny_model("qwen3").eval()
+    ids, mask = prompts(2, 50, seed=3, left_pad=(11, 0))
+    sampled = dict(do_sample=True, top_k=0, temperature=1.3, output_logits=False)
+    return {
+        "sample": compare(model, mode, ids, mask, seed=1234, **sampled),
+        "sample-x2": compare(model, mode, ids, mask, seed=99, num_return_sequences=2, **sampled),
+        "beams": compare(model, mode, ids, mask, num_beams=3, output_logits=False),
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,world_size", [("zigzag_ring_attn", 2), ("usp_attn", 4)])
+def test_sampling_and_beams_match_one_process(mode, world_size):
+    per_rank = run_ranks(_sampling_worker, world_size, mode, timeout=280)
+    for case, (same, _, sequences) in per_rank[0].items():
+        assert same, case
+        assert all(torch.equal(other[case][2], sequences) for other in per_rank[1:]), ("ranks differ", case)
+    assert per_rank[0]["sample-x2"][2].shape[0] == 4
+
+
+# Features decoding has to apply to every cached key: windows shorter than the prompt (per
+# layer, alternating with global layers), sinks, attention softcapping, narrower MLA values.
+# Gemma 2's final logit softcap saturates this tiny model's logits (ties); it is switched off
+# here, its attention softcap is not.
+FEATURES = {
+    "window-16": ("mistral", {"sliding_window": 16}),
+    "sinks-windows": ("gpt_oss", {}),
+    "softcap-windows": ("gemma2", {"final_logit_softcapping": None}),
+    "mla": ("deepseek_v3", {}),
+}
+
+
+def _features_worker(rank, world_size, mode):
+    results = {}
+    for case, (model_type, overrides) in FEATURES.items():
+        model = tiny_model(model_type, **overrides).eval()
+        results[case] = compare(model, mode, *prompts(2, 90, seed=5, left_pad=(0, 13)), max_new_tokens=24)
+    return results
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn"])
+def test_attention_features_decode_exactly(mode):
+    per_rank = run_ranks(_features_worker, 2, mode, timeout=280)
+    for case, (same, error, _) in per_rank[0].items():
+        print(f"{mode} {case}: tokens equal {same}, step logits {error:.1e}")
+        assert same and error <= LOGITS_TOL, case
+
+
+def _cache_worker(rank, world_size):
+    """The cache holds this rank's share: balanced, and growing by GROWTH slots at a time."""
+    model = tiny_model("llama").eval()
+    ids, mask = prompts(1, 129, seed=1)
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    caches = []
+    original = ShardedKVCache.__init__
+
+    def keep(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        caches.append(self)
+
+    ShardedKVCache.__init__ = keep
+    try:
+        generate("zigzag_ring_attn", model, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    finally:
+        ShardedKVCache.__init__ = original
+        remove_seq_parallel_monkey_patch()
+    cache = caches[0]
+    layer = cache.layers[0]
+    return cache.length, cache.index.tolist(), layer.used, layer.keys.shape[-2]
+
+
+@pytest.mark.timeout(120)
+def test_cache_is_sharded_and_balanced():
+    per_rank = run_ranks(_cache_worker, 2)
+    # 128 prompt tokens prefilled (zigzag over 2 ranks), then the last prompt token and 9
+    # generated ones (the 10th is never fed back): sequence indices 128..137, kept by i % 2.
+    for rank, (length, index, used, capacity) in enumerate(per_rank):
+        assert length == 138 and used == len(index) == 69
+        assert sorted(i for i in index if i >= 128) == [i for i in range(128, 138) if i % 2 == rank]
+        assert capacity == 64 + 1 + GROWTH  # one growth: at the first token kept
+    assert sorted(per_rank[0][1] + per_rank[1][1]) == list(range(138))
+
+
+def _refusals_worker(rank, world_size):
+    model = tiny_model("llama").eval()
+    ids, mask = prompts(1, 20, seed=rank)  # a different prompt on each rank
+    found = {}
+
+    def refused(name, call):
+        try:
+            call()
+        except ValueError as error:
+            found[name] = str(error)
+
+    refused("unpatched", lambda: generate("zigzag_ring_attn", model, ids))
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    same, same_mask = prompts(1, 20, seed=0)
+    right_padded = same_mask.clone()
+    right_padded[0, -3:] = 0
+    refused("different prompts", lambda: generate("zigzag_ring_attn", model, ids, max_new_tokens=2))
+    refused("right padding", lambda: generate("zigzag_ring_attn", model, same, attention_mask=right_padded))
+    refused("use_cache", lambda: generate("zigzag_ring_attn", model, same, use_cache=False))
+    refused("assistant", lambda: generate("zigzag_ring_attn", model, same, assistant_model=model))
+    refused("other options", lambda: generate("zigzag_ring_attn", model, same, sp_size=1))
+    torch.manual_seed(rank)  # a different random state on each rank
+    refused("seeds", lambda: generate("zigzag_ring_attn", model, same, do_sample=True, max_new_tokens=2))
+    model.train()
+    refused("training", lambda: generate("zigzag_ring_attn", model, same))
+    model.eval()
+    refused("plain model.generate", lambda: model.generate(same, max_new_tokens=2))
+    remove_seq_parallel_monkey_patch()
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_generate_refusals_are_clear():
+    found = run_ranks(_refusals_worker, 2)[0]
+    expected = {
+        "unpatched": "apply_seq_parallel_monkey_patch('zigzag_ring_attn', model) first",
+        "different prompts": "prompts differ between the ranks",
+        "right padding": "left-padded",
+        "use_cache": "use_cache=False is not supported",
+        "assistant": "assistant_model is not supported",
+        "other options": "sp_size=1, ring_degree=1 differ",
+        "seeds": "random states",
+        "training": "call model.eval() first",
+        "plain model.generate": "use easy_context.generate",
+    }
+    for name, text in expected.items():
+        assert name in found and text in found[name], (name, found.get(name))
+
+
+def test_data_parallel_generate_is_model_generate():
+    model = tiny_model("llama").eval()
+    ids, mask = prompts(2, 30, seed=2, left_pad=(5, 0))
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = generate("data_parallel", model, ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
