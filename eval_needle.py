@@ -10,7 +10,10 @@ scored in one sequence-parallel forward pass.
         --depth_interval 0.1 --num_samples 2 --rnd_number_digits 7 --haystack_dir ESSAYS
 
 Scoring is teacher forcing: the prompt and the answer go in together and a sample is right
-when the argmax at every answer position is the answer's next token. Writes
+when the argmax at every answer position is the answer's next token. With --generate the
+model also answers in free form (easy_context.generate: greedy, up to --max_new_tokens
+tokens, the prompt's KV cache sharded over the SP group); that answer is right when its
+first number is exactly the hidden one. Both scores are reported side by side. Writes
 <output-dir>/<task>_<model>.png (heatmap), .csv (one row per sample) and .json.
 """
 
@@ -21,6 +24,7 @@ import csv
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +66,8 @@ def parse_args(argv=None):
     flag("ring_degree", type=int, default=None, help="usp_attn: ring part of the SP group")
     flag("sp_size", type=int, default=None, help="ranks sharing one prompt (default: all); other groups take other prompts")
     flag("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
+    flag("generate", action="store_true", help="also answer in free form (greedy) and score the digits by exact match")
+    flag("max_new_tokens", type=int, default=None, help="--generate: tokens to generate (default: 2 x digits + 4)")
     flag("output_dir", default="outputs/eval")
     flag("seed", type=int, default=42)
     flag("hide_progress", action="store_true")
@@ -83,6 +89,8 @@ def parse_args(argv=None):
         errors.append("--num_distractor applies to the needle task only (a passkey prompt has one key)")
     if args.haystack_dir is not None and not sorted(Path(args.haystack_dir).glob("*.txt")):
         errors.append(f"--haystack_dir {args.haystack_dir}: no .txt files there")
+    if args.max_new_tokens is not None and (not args.generate or args.max_new_tokens < 1):
+        errors.append(f"--max_new_tokens needs --generate and a value >= 1, got {args.max_new_tokens}")
     if args.ring_degree is not None and args.parallel_mode != "usp_attn":
         errors.append(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
     if errors:
@@ -136,6 +144,19 @@ def evaluate_prompt(scorer, tokenizer, prompt) -> dict:
     }
 
 
+def generate_answer(args, scorer, tokenizer, prompt) -> dict:
+    """The model's free-form answer to the prompt (without the answer), greedy; right when its
+    first number is the hidden value, digit for digit."""
+    prompt_ids = torch.tensor(prompt.input_ids[:prompt.answer_start], device=scorer.device)[None]
+    budget = args.max_new_tokens or 2 * args.rnd_number_digits + 4
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    output = ec.generate(args.parallel_mode, scorer.model, prompt_ids, max_new_tokens=budget, do_sample=False,
+                         pad_token_id=pad, synced_gpus=scorer.lockstep, sp_size=args.sp_size, ring_degree=args.ring_degree)
+    text = tokenizer.decode(output[0, prompt_ids.shape[1]:].tolist(), skip_special_tokens=True)
+    number = re.search(r"\d+", text)
+    return {"generated": text, "generated_correct": number is not None and number.group() == prompt.value}
+
+
 def main(argv=None):
     return run_job("eval_needle.py", run_sweep, parse_args(argv))
 
@@ -167,6 +188,9 @@ def run_sweep(args, accelerator, stage: Stage) -> list[dict]:
         stage.at(f"scoring a {length}-token prompt at depth {depth}")
         prompt = make_prompt(args, tokenizer, haystack, length, depth, sample)
         outcome = evaluate_prompt(scorer, tokenizer, prompt)
+        if args.generate:
+            stage.at(f"generating an answer to a {length}-token prompt at depth {depth}")
+            outcome.update(generate_answer(args, scorer, tokenizer, prompt))
         results.append((index, {
             "context_length": length, "depth": depth, "sample": sample, "tokens": len(prompt.input_ids),
             "needle_position": prompt.needle_position, "requested_position": prompt.requested_position,
@@ -192,25 +216,37 @@ def write_outputs(args, source: str, lengths, depths, records) -> None:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()
         writer.writerows(records)
-    accuracy = {}
-    for length in lengths:
-        for depth in depths:
-            hits = [r["correct"] for r in records if r["context_length"] == length and r["depth"] == depth]
-            accuracy[(length, depth)] = float(np.mean(hits))
+    accuracy = cell_accuracy(records, lengths, depths, "correct")
     overall = float(np.mean([r["correct"] for r in records]))
     summary = {"model": source, "task": args.task, "parallel_mode": args.parallel_mode, "overall_accuracy": overall,
                "accuracy": {f"{length}/{depth}": a for (length, depth), a in accuracy.items()},
                "args": vars(args), "samples": records}
+    if args.generate:
+        generated = cell_accuracy(records, lengths, depths, "generated_correct")
+        summary["generate_overall_accuracy"] = float(np.mean([r["generated_correct"] for r in records]))
+        summary["generate_accuracy"] = {f"{length}/{depth}": a for (length, depth), a in generated.items()}
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     title = f"{args.task}: {Path(source.rstrip('/')).name} ({args.parallel_mode}), accuracy {overall:.2f}"
     needle_heatmap(accuracy, lengths, depths, stem.with_suffix(".png"), title)
 
-    print(f"\n{args.task} accuracy by depth (rows) and context length (columns), {len(records)} prompts:")
+    print_table(f"{args.task} accuracy (teacher forcing)", accuracy, lengths, depths, len(records))
+    if args.generate:
+        print_table(f"{args.task} accuracy (generated answer, exact digits)", generated, lengths, depths, len(records))
+        print(f"generated answers: overall accuracy {summary['generate_overall_accuracy']:.3f}")
+    print(f"teacher forcing: overall accuracy {overall:.3f}; wrote {stem}.png, {stem}.csv, {stem}.json")
+
+
+def cell_accuracy(records, lengths, depths, field: str) -> dict:
+    return {(length, depth): float(np.mean([r[field] for r in records if r["context_length"] == length and r["depth"] == depth]))
+            for length in lengths for depth in depths}
+
+
+def print_table(title: str, accuracy: dict, lengths, depths, prompts: int) -> None:
+    print(f"\n{title} by depth (rows) and context length (columns), {prompts} prompts:")
     print("| depth | " + " | ".join(str(n) for n in lengths) + " |")
     print("|---" * (len(lengths) + 1) + "|")
     for depth in depths:
         print(f"| {100 * depth:.0f}% | " + " | ".join(f"{accuracy[(n, depth)]:.2f}" for n in lengths) + " |")
-    print(f"overall accuracy {overall:.3f}; wrote {stem}.png, {stem}.csv, {stem}.json")
 
 
 if __name__ == "__main__":

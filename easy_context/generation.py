@@ -41,7 +41,7 @@ from .modes import get_mode
 from .process_groups import get_groups
 from .ring import fold_sinks, merge_block
 
-__all__ = ["generate", "ShardedKVCache"]
+__all__ = ["generate", "ShardedKVCache", "kv_bytes"]
 
 _OPTION_NAMES = ("sp_size", "ring_degree", "document_split")
 # generate() options that would bypass or fight the sharded cache.
@@ -85,9 +85,6 @@ class _ShardLayer(DynamicLayer):
     def select_batch(self, index: torch.Tensor) -> None:
         if self.is_initialized:
             self.keys, self.values = (x.index_select(0, index.to(x.device)) for x in (self.keys, self.values))
-
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.keys, self.values) if x is not None)
 
 
 def _grown(x: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
@@ -225,9 +222,13 @@ class ShardedKVCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))
 
-    def nbytes(self) -> int:
-        """Bytes this rank holds for K/V (allocated, spare capacity included)."""
-        return sum(layer.nbytes() for layer in self.layers)
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of K/V a transformers cache holds on this rank (a ShardedKVCache: its shard, spare
+    capacity included; a DynamicCache: everything)."""
+    tensors = [x for layer in getattr(cache, "layers", ()) for x in (layer.keys, layer.values) if x is not None]
+    return sum(x.untyped_storage().nbytes() for x in tensors)
 
 
 # ------------------------------------------------------------------ generate
@@ -249,6 +250,9 @@ def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional
     if kwargs.get("use_cache") is False:
         raise ValueError("generate: use_cache=False is not supported; the sharded KV cache is the point")
     resolved = get_mode(mode)
+    # use_cache=True: a model saved for training often has use_cache=False in its config, which
+    # model.generate would follow and run the whole sequence again at every token.
+    kwargs["use_cache"] = True
     if resolved.attention is None:  # data_parallel: each rank generates on its own
         return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     _check_patched(mode, model)

@@ -118,7 +118,7 @@ def test_eval_ppl_parallel_equals_single_process(tmp_path, saved_model):
 def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path, saved_model):
     flags = ["--model", str(saved_model), "--min_context_length", "300", "--max_context_length", "900",
              "--context_interval", "300", "--depth_interval", "0.5", "--num_samples", "2", "--num_distractor", "2",
-             "--hide_progress"]
+             "--hide_progress", "--generate", "--max_new_tokens", "6"]
     ok(run_script("eval_needle.py", *flags, "--parallel_mode", "data_parallel", "--output_dir", str(tmp_path / "single")))
     out = ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "parallel"), processes=2)).stdout
     single = list(csv.DictReader(open(tmp_path / "single" / f"needle_{saved_model.name}.csv")))
@@ -127,10 +127,13 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
         (str(n), str(d), str(s)) for n in (300, 600, 900) for d in (0.0, 0.5, 1.0) for s in (0, 1)]
     for a, b in zip(parallel, single):
         assert (a["predicted"], a["correct"], a["tokens"], a["value"]) == (b["predicted"], b["correct"], b["tokens"], b["value"])
+        # --generate: the free-form answer, generated with the cache sharded over 2 ranks, is one process's
+        assert (a["generated"], a["generated_correct"]) == (b["generated"], b["generated_correct"])
         assert abs(float(a["answer_nll"]) - float(b["answer_nll"])) <= 1e-5
         assert int(a["tokens"]) <= int(a["context_length"]) and a["distractors"] == "2"
     summary = json.loads((tmp_path / "parallel" / f"needle_{saved_model.name}.json").read_text())
-    assert len(summary["accuracy"]) == 9 and len(summary["samples"]) == 18
+    assert len(summary["accuracy"]) == 9 and len(summary["samples"]) == 18 and len(summary["generate_accuracy"]) == 9
+    assert "generated answer, exact digits" in out
     assert (tmp_path / "parallel" / f"needle_{saved_model.name}.png").stat().st_size > 1000
     assert "overall accuracy" in out
 
@@ -234,3 +237,18 @@ def test_passkey_prompt_and_too_short_contexts():
     assert len(prompt.input_ids) == 1000 and abs(prompt.actual_depth - 0.5) < 0.05
     with pytest.raises(ValueError, match="leaves no room for the haystack"):
         build_prompt(tokenizer, haystack, PASSKEY, 60, 0.5, key="", value="68231")
+
+
+@pytest.mark.timeout(600)
+def test_generate_script_parallel_equals_single_process(tmp_path, saved_model):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The special magic number is 4821. " * 12 + "What is the special magic number? It is")
+    flags = ["--model", str(saved_model), "--prompt_file", str(prompt), "--max_new_tokens", "24"]
+    for extra in ([], ["--do_sample", "--temperature", "1.5", "--seed", "7"]):
+        single = ok(run_script("scripts/generate.py", *flags, *extra, "--parallel_mode", "data_parallel"))
+        for mode in ("zigzag_ring_attn", "ulysses_attn"):
+            parallel = ok(run_script("scripts/generate.py", *flags, *extra, "--parallel_mode", mode, processes=2))
+            assert parallel.stdout == single.stdout and parallel.stdout.strip(), (extra, mode)
+            assert f"{mode} over 2 process(es)" in parallel.stderr and "K/V cache on this rank" in parallel.stderr
+    missing = run_script("scripts/generate.py", "--model", str(saved_model), "--prompt_file", str(tmp_path / "none.txt"))
+    assert missing.returncode == 2 and "none.txt: no such file" in missing.stderr
