@@ -96,9 +96,9 @@ def _grown(x: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
 class ShardedKVCache(Cache):
     """This SP rank's shard of every layer's K/V, for transformers' generate.
 
-    Every slot has a sequence index (-1: padding the prefill added so the layout splits the
-    prompt) and, per batch row, a validity bit (False: padding). `length` is the length of
-    the whole sequence so far, what transformers sees as the cache length.
+    Every slot has a sequence index and, per batch row, a validity bit (False: the prompt's
+    left padding). `length` is the length of the whole sequence so far, what transformers
+    sees as the cache length.
     """
 
     def __init__(self, group, sp_rank: int, sp_size: int):
@@ -108,28 +108,36 @@ class ShardedKVCache(Cache):
         self.index: Optional[torch.Tensor] = None  # (slots,) int64
         self.valid: Optional[torch.Tensor] = None  # (B, slots) bool
         self.decoding = False
-        self._kept = None  # positions among this step's new tokens that this rank keeps
+        self._prefill_slots = 0
+        self._kept = None  # positions among the incoming tokens (prefill shard, step) this rank keeps; None: all
         self._masks: dict = {}  # window -> the step's (B, 1, n, slots) mask or None (all allowed)
 
     # ------------------------------------------------------------ filling
     def start_prefill(self, index: torch.Tensor, valid: torch.Tensor, length: int) -> None:
-        self.index, self.valid, self.length = index, valid, length
+        """index (slots,): the sequence index of each token this rank prefills, -1 for the
+        padding that made the prompt split; valid (B, slots). The padding is not kept: every
+        later step would attend it through a mask, and a masked kernel is the slower one."""
+        self._prefill_slots, self.length = index.shape[0], length
+        real = index >= 0
+        self._kept = None if bool(real.all()) else torch.nonzero(real).flatten()
+        self.index, self.valid = index[real], valid[:, real]
 
     def start_decoding(self, batch: int, device) -> None:
         if self.index is None:  # a one-token prompt: nothing was prefilled
             self.index = torch.empty(0, dtype=torch.long, device=device)
             self.valid = torch.empty(batch, 0, dtype=torch.bool, device=device)
-        self.decoding = True
+        self.decoding, self._kept = True, None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
             self.layers.append(_ShardLayer())
         layer = self.layers[layer_idx]
         if not self.decoding:
-            if key_states.shape[-2] != self.index.shape[0]:
-                raise RuntimeError(f"prefill: layer {layer_idx} has {key_states.shape[-2]} tokens, expected {self.index.shape[0]}")
+            if key_states.shape[-2] != self._prefill_slots:
+                raise RuntimeError(f"prefill: layer {layer_idx} has {key_states.shape[-2]} tokens, expected {self._prefill_slots}")
             layer.length = self.length
-            return layer.store(key_states, value_states)
+            layer.store(*(x if self._kept is None else x[..., self._kept, :] for x in (key_states, value_states)))
+            return key_states, value_states  # the prefill's attention runs on the shard as it came
         if key_states.shape[0] != self.valid.shape[0]:
             self._expand_batch(key_states.shape[0])
         if layer.length == self.length:  # the first layer of this step: admit its tokens

@@ -122,7 +122,7 @@ def test_attention_features_decode_exactly(mode):
 def _cache_worker(rank, world_size):
     """The cache holds this rank's share: balanced, and growing by GROWTH slots at a time."""
     model = tiny_model("llama").eval()
-    ids, mask = prompts(1, 129, seed=1)
+    ids, mask = prompts(1, 131, seed=1)  # 130 tokens prefilled: padded to 132 for the zigzag layout
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
     caches = []
     original = ShardedKVCache.__init__
@@ -138,20 +138,23 @@ def _cache_worker(rank, world_size):
         ShardedKVCache.__init__ = original
         remove_seq_parallel_monkey_patch()
     cache = caches[0]
-    layer = cache.layers[0]
-    return cache.length, cache.index.tolist(), layer.used, layer.keys.shape[-2]
+    return cache.length, cache.index.tolist(), [(layer.used, layer.keys.shape[-2]) for layer in cache.layers]
 
 
 @pytest.mark.timeout(120)
 def test_cache_is_sharded_and_balanced():
     per_rank = run_ranks(_cache_worker, 2)
-    # 128 prompt tokens prefilled (zigzag over 2 ranks), then the last prompt token and 9
-    # generated ones (the 10th is never fed back): sequence indices 128..137, kept by i % 2.
-    for rank, (length, index, used, capacity) in enumerate(per_rank):
-        assert length == 138 and used == len(index) == 69
-        assert sorted(i for i in index if i >= 128) == [i for i in range(128, 138) if i % 2 == rank]
-        assert capacity == 64 + 1 + GROWTH  # one growth: at the first token kept
-    assert sorted(per_rank[0][1] + per_rank[1][1]) == list(range(138))
+    # 130 prompt tokens prefilled (zigzag chunks of 33 over 2 ranks; the 2 padding tokens in rank
+    # 0's last chunk are not kept), then the last prompt token and 9 generated ones (the 10th is
+    # never fed back): sequence indices 130..139, kept by rank i % 2.
+    prefilled = {0: 64, 1: 66}
+    for rank, (length, index, layers) in enumerate(per_rank):
+        assert length == 140
+        assert sorted(i for i in index if i >= 130) == [i for i in range(130, 140) if i % 2 == rank]
+        for used, capacity in layers:
+            assert used == len(index) == prefilled[rank] + 5
+            assert capacity == prefilled[rank] + 1 + GROWTH  # one growth: at the first token kept
+    assert sorted(per_rank[0][1] + per_rank[1][1]) == list(range(140))  # every token once, no padding
 
 
 def _refusals_worker(rank, world_size):

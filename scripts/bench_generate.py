@@ -1,0 +1,198 @@
+"""Long-prompt generation: easy_context.generate on P ranks vs one process's model.generate.
+
+    python scripts/bench_generate.py --seq-lengths 16384,32768 [--new-tokens 64] [--csv out.csv]
+
+The tiny Llama of bench_train.py (vocab 32000, 4 layers, hidden 256, 4 query / 2 KV heads
+of 64), random weights, fp32, one random prompt (batch 1), greedy. Each row runs in fresh
+processes on the same cores (CPU, 2 threads in all: one process with 2 threads, or P
+processes with 2 / P each; gloo).
+  hf          1 process: the unpatched model's generate (DynamicCache)
+  MODE P=2    easy_context.generate: the prompt prefilled in MODE's layout, the K/V cache
+              sharded over the ranks, decoding through transformers' generate
+Columns:
+  first token s   prompt in, first new token out: the prefill (ours: sharded, then the last
+                  prompt token as the first decoding step)
+  ms/token        median time between two new tokens afterwards
+  KV MiB/rank     K/V the cache holds on one rank at the end (allocated storage)
+  peak MiB/rank   peak RSS growth of one rank while generating (VmHWM, reset before)
+  ours: where a decoding step's time goes, per token: attn ms (the local attention kernel
+  over the rank's shard, all layers), gather ms (the all-gather of partial (out, lse), all
+  layers); the rest is the model's other layers, the lm head and transformers' loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _model(vocab: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+class _Clock:
+    """A streamer that notes when the prompt and each new token arrive."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+class _Timed:
+    """Wraps a function of easy_context.generation and adds up the seconds spent in it."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+class _DistWith:
+    """torch.distributed with a timed all_gather (decoding's only collective; the two small
+    checks of generate's start and end are counted in it too)."""
+
+    def __init__(self, all_gather):
+        self.all_gather = all_gather
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+
+def _worker(rank, world, spec, workdir):
+    torch.set_num_threads(max(1, 2 // world))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=1200))
+    import easy_context as ec
+    from easy_context import generation
+
+    model = _model(spec["vocab"])
+    prompt = torch.randint(0, spec["vocab"], (1, spec["seq"]), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=spec["new_tokens"], min_new_tokens=spec["new_tokens"], do_sample=False,
+                  return_dict_in_generate=True, use_cache=True, pad_token_id=0)
+    attn, gather = _Timed(generation.attention_forward), _Timed(dist.all_gather)
+    generation.attention_forward = attn
+    generation.dist = _DistWith(gather)
+    mode = spec["mode"]
+    if mode is not None:
+        ec.apply_seq_parallel_monkey_patch(mode, model)
+    clock = _Clock()
+    before = _rss("VmRSS:")
+    _reset_peak()
+    start = time.perf_counter()
+    with torch.no_grad():
+        output = (ec.generate(mode, model, prompt, streamer=clock, **kwargs) if mode is not None
+                  else model.generate(prompt, streamer=clock, **kwargs))
+    peak = _rss("VmHWM:") - before
+    if mode is not None:  # the prefill's attention calls are the ring's, not these: decoding only
+        attn_s, gather_s = attn.seconds, gather.seconds
+    else:
+        attn_s = gather_s = float("nan")
+    gaps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+    steps = len(clock.times) - 1  # decoding steps that ran attention through the cache (the first included)
+    result = [clock.times[1] - start, statistics.median(gaps), generation.kv_bytes(output.cache), peak,
+              attn_s / steps, gather_s / steps]
+    with open(f"{workdir}/result{rank}", "w") as f:
+        f.write(" ".join(map(str, result)))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)  # the result is written; gloo's threads can abort the interpreter's teardown (issue 17)
+
+
+def run(spec, world):
+    with tempfile.TemporaryDirectory() as workdir:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world, spec, workdir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(3600)
+        if any(p.exitcode != 0 for p in procs):
+            return None
+        values = [list(map(float, open(f"{workdir}/result{r}").read().split())) for r in range(world)]
+    first, per_token, kv, peak, attn, gather = (max(v[i] for v in values) for i in range(6))
+    return {"first_token_s": first, "ms_per_token": 1000 * per_token, "kv_mib": kv / 2**20, "peak_mib": peak / 2**20,
+            "attn_ms": 1000 * attn, "gather_ms": 1000 * gather}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lengths", default="16384,32768")
+    parser.add_argument("--modes", default="zigzag_ring_attn,dist_flash_attn,ulysses_attn")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    args = parser.parse_args()
+    seqs = [1000, 2000] if args.smoke else [int(s) for s in args.seq_lengths.split(",")]
+    new_tokens, vocab = (8, 1000) if args.smoke else (args.new_tokens, args.vocab)
+    configs = [("hf", None, 1)] + [(f"{m} P={args.world_size}", m, args.world_size) for m in args.modes.split(",")]
+
+    print("| config | S | first token s | ms/token | x hf ms/token | KV MiB/rank | x hf KV | peak MiB/rank | "
+          "attn ms/token | gather ms/token |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for seq in seqs:
+        baseline = None
+        for name, mode, world in configs:
+            result = run({"seq": seq, "mode": mode, "vocab": vocab, "new_tokens": new_tokens}, world)
+            rows.append({"config": name, "seq": seq, "world": world, **(result or {})})
+            if result is None:
+                print(f"| {name} | {seq} | failed | | | | | | | |", flush=True)
+                continue
+            baseline = baseline or result
+            print(f"| {name} | {seq} | {result['first_token_s']:.2f} | {result['ms_per_token']:.1f} | "
+                  f"{result['ms_per_token'] / baseline['ms_per_token']:.2f} | {result['kv_mib']:.1f} | "
+                  f"{result['kv_mib'] / baseline['kv_mib']:.2f} | {result['peak_mib']:.0f} | "
+                  f"{result['attn_ms']:.1f} | {result['gather_ms']:.1f} |", flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=sorted({key for row in rows for key in row}, key=str))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
