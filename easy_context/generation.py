@@ -58,39 +58,48 @@ GROWTH = 256  # cache slots added at once when a rank's shard of a layer is full
 
 
 class _ShardLayer(DynamicLayer):
-    """One layer's K/V on this rank. The prefill's tensors are kept as they come; decoding
-    appends into spare capacity (GROWTH slots at a time) instead of concatenating the whole
-    shard at every token, as DynamicLayer does."""
+    """One layer's K/V on this rank: the cache's slots [base, base + used) in a buffer, of which
+    [first, base + used) are live. Slots before `first` fall out of a sliding window for every
+    later query (slot indices increase: the layouts keep a rank's tokens in order, and new
+    tokens come last); their memory is reclaimed at the next copy. The prefill's tensors are
+    kept as they come; decoding appends into spare capacity (GROWTH slots at a time) instead of
+    concatenating the whole shard at every token, as DynamicLayer does."""
 
     def __init__(self):
         super().__init__()
-        self.used = 0  # slots holding tokens
+        self.base = self.first = self.used = 0
         self.length = 0  # the cache's length when this layer was last updated
+        self.window = None  # the layer's sliding window, learnt at its first decoding step
 
-    def store(self, keys: torch.Tensor, values: torch.Tensor):
+    def store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values, self.used, self.is_initialized = keys, values, keys.shape[-2], True
-        return keys, values
+
+    def live(self):
+        start = self.first - self.base
+        return self.keys[..., start:self.used, :], self.values[..., start:self.used, :]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor):
         if not self.is_initialized:
             self.store(keys[..., :0, :].clone(), values[..., :0, :].clone())
-        added = keys.shape[-2]
-        if self.used + added > self.keys.shape[-2]:
-            self.keys, self.values = (_grown(x, self.used, self.used + added + GROWTH) for x in (self.keys, self.values))
+        added, dead = keys.shape[-2], self.first - self.base
+        if self.used + added > self.keys.shape[-2] or dead >= max(GROWTH, self.used - dead):
+            live = self.used - dead  # copy the live slots only, with GROWTH spare ones
+            self.keys, self.values = (_copied(x, dead, self.used, live + added + GROWTH) for x in (self.keys, self.values))
+            self.base, self.used = self.first, live
         self.keys[..., self.used:self.used + added, :] = keys
         self.values[..., self.used:self.used + added, :] = values
         self.used += added
-        return self.keys[..., :self.used, :], self.values[..., :self.used, :]
+        return self.live()
 
     def select_batch(self, index: torch.Tensor) -> None:
         if self.is_initialized:
             self.keys, self.values = (x.index_select(0, index.to(x.device)) for x in (self.keys, self.values))
 
 
-def _grown(x: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
-    bigger = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
-    bigger[..., :used, :] = x[..., :used, :]
-    return bigger
+def _copied(x: torch.Tensor, start: int, stop: int, capacity: int) -> torch.Tensor:
+    copy = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
+    copy[..., :stop - start, :] = x[..., start:stop, :]
+    return copy
 
 
 class ShardedKVCache(Cache):
@@ -143,6 +152,9 @@ class ShardedKVCache(Cache):
         if layer.length == self.length:  # the first layer of this step: admit its tokens
             self._admit(key_states.shape[-2], key_states.shape[0], key_states.device)
         layer.length = self.length
+        if layer.window is not None:  # slots no query from this step on can reach
+            oldest_query = self.length - key_states.shape[-2]
+            layer.first = max(layer.first, int(torch.searchsorted(self.index, oldest_query - layer.window + 1)))
         return layer.append(key_states[..., self._kept, :], value_states[..., self._kept, :])
 
     def _expand_batch(self, batch: int) -> None:
@@ -162,27 +174,34 @@ class ShardedKVCache(Cache):
         self._masks = {}
 
     # -------------------------------------------------------- attention
-    def step_mask(self, new: int, window: Optional[int]) -> Optional[torch.Tensor]:
-        """(B, 1, new, slots) bool: which local slots the step's queries may attend (the
-        masking.py rule: valid, not after the query, within the window); None when every
-        slot is allowed. Computed once per step and window, shared by the layers."""
-        if window not in self._masks:
-            queries = torch.arange(self.length - new, self.length, device=self.index.device)[:, None]
-            allowed = self.valid[:, None, None, :] & (self.index <= queries)
+    def step_mask(self, new: int, window: Optional[int], first: int = 0) -> Optional[torch.Tensor]:
+        """(B, 1, new, slots - first) bool: which local slots from `first` on the step's queries
+        may attend (the masking.py rule: valid, not after the query, within the window); None
+        when every one is allowed. Computed once per step, window and first slot."""
+        key = (window, first)
+        if key not in self._masks:
+            index, valid = self.index[first:], self.valid[:, first:]
+            queries = torch.arange(self.length - new, self.length, device=index.device)[:, None]
+            allowed = valid[:, None, None, :] & (index <= queries)
             if window is not None:
-                allowed = allowed & (queries - self.index < window)
-            self._masks[window] = None if bool(allowed.all()) else allowed
-        return self._masks[window]
+                allowed = allowed & (queries - index < window)
+            self._masks[key] = None if bool(allowed.all()) else allowed
+        return self._masks[key]
 
-    def attend(self, q, k, v, scale: float, window=None, softcap=None, sinks=None) -> torch.Tensor:
+    def attend(self, q, k, v, scale: float, layer_idx: int, window=None, softcap=None, sinks=None) -> torch.Tensor:
         """Exact attention of the step's queries q (B, Hq, n, D), the same on every rank, over
-        the K/V of every rank: local partial, one all-gather, log-sum-exp merge."""
+        the K/V of every rank (k, v: this rank's live slots of layer `layer_idx`, as update
+        returned them): local partial, one all-gather, log-sum-exp merge."""
+        layer = self.layers[layer_idx]
+        if window is not None and window < self.length:
+            layer.window = window  # from the next step on, update drops what falls out of it
         acc = accumulation_dtype(q.dtype)
         if k.shape[-2] == 0:  # nothing here yet (a one-token prompt on P ranks)
             out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc)
             lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
         else:
-            out, lse = attention_forward(q, k, v, False, scale, mask=self.step_mask(q.shape[2], window), softcap=softcap)
+            mask = self.step_mask(q.shape[2], window, layer.first)
+            out, lse = attention_forward(q, k, v, False, scale, mask=mask, softcap=softcap)
         out, lse = out.to(acc), lse.to(acc)
         if self.group is not None:
             packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()

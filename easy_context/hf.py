@@ -252,7 +252,7 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
         window = kwargs.get("sliding_window")
 
         def attend(q, k, v, scale, **options):
-            return _decoding.attend(q, k, v, scale, window=window, **options)
+            return _decoding.attend(q, k, v, scale, module.layer_idx, window=window, **options)
     else:
         _check_supported(module, attention_mask, kwargs)
         attend = _mode_attention(module, query, key, attention_mask, kwargs)

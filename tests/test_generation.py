@@ -157,6 +157,42 @@ def test_cache_is_sharded_and_balanced():
     assert sorted(per_rank[0][1] + per_rank[1][1]) == list(range(140))  # every token once, no padding
 
 
+def _window_worker(rank, world_size):
+    """Sliding-window layers drop what falls out of the window (as transformers' sliding cache
+    does), global layers keep everything; the tokens stay one process's."""
+    model = tiny_model("gemma3_text", sliding_window=16).eval()  # a window layer, then a global one
+    ids, mask = prompts(2, 300, seed=8, left_pad=(0, 17))
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    caches = []
+    original = ShardedKVCache.__init__
+
+    def keep(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        caches.append(self)
+
+    ShardedKVCache.__init__ = keep
+    kwargs = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, pad_token_id=0)
+    try:
+        got = generate("zigzag_ring_attn", model, ids, attention_mask=mask, **kwargs)
+    finally:
+        ShardedKVCache.__init__ = original
+        remove_seq_parallel_monkey_patch()
+    cache = caches[0]
+    layers = [(layer.window, layer.used - (layer.first - layer.base), layer.keys.shape[-2], layer.first,
+               cache.index[layer.first:].min().item()) for layer in cache.layers]
+    return torch.equal(got, model.generate(ids, attention_mask=mask, **kwargs)), cache.length, layers
+
+
+@pytest.mark.timeout(180)
+def test_sliding_window_layers_keep_only_the_window():
+    for same, length, layers in run_ranks(_window_worker, 2):
+        assert same and length == 599
+        (window, live, capacity, _, oldest), (full_window, full_live, _, full_first, _) = layers
+        # memory bounded by the window (and the spare slots), not by the length
+        assert window == 16 and 8 <= live <= 9 and oldest >= length - 16 and capacity <= window + 1 + GROWTH
+        assert full_window is None and full_live >= length // 2 - 2 and full_first == 0
+
+
 def _refusals_worker(rank, world_size):
     model = tiny_model("llama").eval()
     ids, mask = prompts(1, 20, seed=rank)  # a different prompt on each rank
@@ -212,3 +248,29 @@ def test_data_parallel_generate_is_model_generate():
     want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     got = generate("data_parallel", model, ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_generate_refuses_what_it_cannot_do_in_one_process():
+    """World of one: the patched path runs (an SP group of one rank) and its refusals are the same."""
+    model = tiny_model("llama").eval()
+    ids, mask = prompts(2, 30, seed=4, left_pad=(0, 6))
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    try:
+        want_kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = generate("zigzag_ring_attn", model, ids, attention_mask=mask, **want_kwargs)
+        cases = {
+            "a cache": (dict(cache=object()), "cache is not supported (generate makes its own sharded cache)"),
+            "embeddings": (dict(inputs_embeds=torch.zeros(1)), "inputs_embeds is not supported (pass input_ids)"),
+            "positions": (dict(position_ids=torch.zeros(1)), "position_ids is not supported"),
+            "document_split": (dict(document_split=True), "document_split is for packed rows"),
+        }
+        for name, (kwargs, text) in cases.items():
+            with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
+                generate("zigzag_ring_attn", model, ids, **kwargs)
+        with pytest.raises(ValueError, match=r"input_ids must be a \(batch, seq_len\) tensor with seq_len >= 1, got \(30,\)"):
+            generate("zigzag_ring_attn", model, ids[0])
+        with pytest.raises(ValueError, match=r"attention_mask shape \(2, 29\) != input_ids shape \(2, 30\)"):
+            generate("zigzag_ring_attn", model, ids, attention_mask=mask[:, 1:])
+    finally:
+        remove_seq_parallel_monkey_patch()
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, **want_kwargs))
