@@ -35,7 +35,7 @@ import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import hf
-from .api import _topology, prepare_seq_parallel_inputs
+from .api import _OPTIONS, _topology, prepare_seq_parallel_inputs
 from .kernels import accumulation_dtype, attention_forward
 from .modes import get_mode
 from .process_groups import get_groups
@@ -43,7 +43,6 @@ from .ring import fold_sinks, merge_block
 
 __all__ = ["generate", "ShardedKVCache", "kv_bytes"]
 
-_OPTION_NAMES = ("sp_size", "ring_degree", "document_split")
 # generate() options that would bypass or fight the sharded cache.
 _REFUSED_KWARGS = {
     "cache": "generate makes its own sharded cache",
@@ -250,7 +249,6 @@ class ShardedKVCache(Cache):
         self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))
 
 
-
 def kv_bytes(cache) -> int:
     """Bytes of K/V a transformers cache holds on this rank (a ShardedKVCache: its shard, spare
     capacity included; a DynamicCache: everything)."""
@@ -270,7 +268,7 @@ def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional
     (torch.manual_seed). Options sp_size, ring_degree, document_split as everywhere else;
     other keywords go to model.generate (max_new_tokens, do_sample, num_beams, ...).
     """
-    options = {name: kwargs.pop(name) for name in _OPTION_NAMES if name in kwargs}
+    options = {name: kwargs.pop(name) for name in _OPTIONS if name in kwargs}
     for name, why in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"generate: {name} is not supported ({why})")
@@ -283,15 +281,7 @@ def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional
     if resolved.attention is None:  # data_parallel: each rank generates on its own
         return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     _check_patched(mode, model)
-    topology, options = _topology("generate", resolved, hf.world_size(), options)
-    active = hf.active_patch()
-    patched = active.mode.topology(topology.world_size, active.sp_size, active.ring_degree)
-    if topology != patched:
-        raise ValueError(f"generate: sp_size={topology.sp_size}, ring_degree={topology.ring_degree} differ from the patch's "
-                         f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)")
-    if options["document_split"]:
-        raise ValueError("generate: document_split is for packed rows; a prompt is one document per row "
-                         "(apply the patch without document_split to generate)")
+    topology, options = _checked_topology(resolved, options)
     groups = get_groups(topology)
     input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, model)
     _check_same_everywhere(groups.sp, input_ids, attention_mask, _samples(model, kwargs))
@@ -321,6 +311,20 @@ def _check_patched(mode: str, model) -> None:
         )
     if model.training:
         raise ValueError("generate: the model is in training mode; call model.eval() first")
+
+
+def _checked_topology(mode, options):
+    """The SP topology of the call: the patch's (sharded prefill and decoding must agree)."""
+    topology, options = _topology("generate", mode, hf.world_size(), options)
+    active = hf.active_patch()
+    patched = active.mode.topology(topology.world_size, active.sp_size, active.ring_degree)
+    if topology != patched:
+        raise ValueError(f"generate: sp_size={topology.sp_size}, ring_degree={topology.ring_degree} differ from the patch's "
+                         f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)")
+    if options["document_split"]:
+        raise ValueError("generate: document_split is for packed rows; a prompt is one document per row "
+                         "(apply the patch without document_split to generate)")
+    return topology, options
 
 
 def _checked_prompt(input_ids, attention_mask, model):

@@ -150,7 +150,8 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
     make the same module calls, or ZeRO-3's parameter gathers mismatch and hang."""
     require_deepspeed()
     flags = ["--model", str(saved_model), "--min_context_length", "300", "--max_context_length", "600",
-             "--context_interval", "300", "--depth_interval", "0.5", "--num_samples", "1", "--hide_progress"]
+             "--context_interval", "300", "--depth_interval", "0.5", "--num_samples", "1", "--hide_progress",
+             "--generate", "--max_new_tokens", "5"]
     ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "torchrun"), processes=2))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     ok(subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -163,6 +164,7 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
     assert len(a) == len(b) == 6
     for x, y in zip(a, b):
         assert x["predicted"] == y["predicted"] and abs(float(x["answer_nll"]) - float(y["answer_nll"])) <= 1e-5
+        assert x["generated"] == y["generated"]  # generate under ZeRO-3 (synced_gpus: every rank steps together)
 
 
 @pytest.mark.timeout(120)

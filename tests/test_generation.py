@@ -119,6 +119,35 @@ def test_attention_features_decode_exactly(mode):
         assert same and error <= LOGITS_TOL, case
 
 
+def _bf16_worker(rank, world_size):
+    """bf16 weights: the logits of every step, teacher-forced on one token sequence (the fp32
+    model's greedy output), against fp32; ours and the unpatched bf16 model's."""
+    model = tiny_model("qwen3").eval()
+    ids, mask = prompts(2, 70, seed=6, left_pad=(0, 9))
+    kwargs = {**GREEDY, "max_new_tokens": 16}
+    fp32 = model.generate(ids, attention_mask=mask, **kwargs)
+    forced = dict(kwargs, max_new_tokens=1)
+    steps = range(ids.shape[1], fp32.sequences.shape[1])
+    extended = [torch.cat([mask, torch.ones(2, n - ids.shape[1], dtype=mask.dtype)], dim=1) for n in steps]
+    want = [model.generate(fp32.sequences[:, :n], attention_mask=m, **forced).logits[0] for n, m in zip(steps, extended)]
+    model = model.to(torch.bfloat16)
+    theirs = [model.generate(fp32.sequences[:, :n], attention_mask=m, **forced).logits[0] for n, m in zip(steps, extended)]
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    try:
+        ours = [generate("zigzag_ring_attn", model, fp32.sequences[:, :n], attention_mask=m, **forced).logits[0]
+                for n, m in zip(steps, extended)]
+    finally:
+        remove_seq_parallel_monkey_patch()
+    return [(float((a - w).abs().max()), float((b - w).abs().max())) for a, b, w in zip(ours, theirs, want)]
+
+
+@pytest.mark.timeout(300)
+def test_bf16_generation_is_as_close_to_fp32_as_the_unpatched_bf16_model():
+    """bf16: within 2x (plus 1/256) the unpatched bf16 model's own error, as the other bf16 tests."""
+    for mine, baseline in run_ranks(_bf16_worker, 2, timeout=280)[0]:
+        assert mine <= 2 * baseline + 1 / 256, (mine, baseline)
+
+
 def _cache_worker(rank, world_size):
     """The cache holds this rank's share: balanced, and growing by GROWTH slots at a time."""
     model = tiny_model("llama").eval()

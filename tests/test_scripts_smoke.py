@@ -109,3 +109,18 @@ def test_hf_trainer_example(tmp_path, flags):
                          capture_output=True, text=True, timeout=190)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "'eval_loss'" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_generate_smoke(tmp_path):
+    csv_path = tmp_path / "generate.csv"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_generate.py"), "--smoke", "--modes", "zigzag_ring_attn",
+                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, check=True).stdout
+    header, *rows = table_rows(out)
+    assert header[:4] == ["config", "S", "first token s", "ms/token"] and len(rows) == 4
+    assert [r[0] for r in rows] == ["hf", "zigzag_ring_attn P=2"] * 2 and [r[1] for r in rows] == ["1000"] * 2 + ["2000"] * 2
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[5]) > 0  # first token, ms/token, KV MiB
+    for row in rows[1::2]:  # the sharded cache: about half of one process's (plus its spare slots)
+        assert 0.4 < float(row[6]) < 0.8 and float(row[10]) > 0
+    assert len(csv_path.read_text().splitlines()) == 5
