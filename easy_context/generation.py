@@ -380,7 +380,7 @@ def _check_same_everywhere(group, tokens, mask, rng: bool, what: str = "prompts"
 
 def _prefill(mode: str, model, cache: ShardedKVCache, input_ids, attention_mask, topology, sp_rank: int, options) -> None:
     """The first S - 1 prompt tokens through the model in the mode's layout, into the cache."""
-    batch, length = input_ids.shape[0], input_ids.shape[1] - 1
+    length = input_ids.shape[1] - 1
     if length == 0:
         return
     # Positions as model.generate makes them: left padding does not count.

@@ -34,37 +34,21 @@ import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+from bench_train import _model as bench_train_model  # noqa: E402  (the same tiny Llama)
+from bench_train import _reset_peak, _rss, spawn_ranks  # noqa: E402
 
 
 def _model(vocab: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return bench_train_model(vocab, checkpointing=False, tile=0).eval()
 
 
 class _Clock:
@@ -191,16 +175,9 @@ def _worker(rank, world, spec, workdir):
 
 
 def run(spec, world):
-    with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world, spec, workdir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(3600)
-        if any(p.exitcode != 0 for p in procs):
-            return None
-        values = [list(map(float, open(f"{workdir}/result{r}").read().split())) for r in range(world)]
+    values = spawn_ranks(_worker, spec, world)
+    if values is None:
+        return None
     first, per_token, kv, peak, attn, gather, cache, gather_us = (max(v[i] for v in values) for i in range(8))
     return {"first_token_s": first, "ms_per_token": 1000 * per_token, "kv_mib": kv / 2**20, "peak_mib": peak / 2**20,
             "attn_ms": 1000 * attn, "gather_ms": 1000 * gather, "cache_ms": 1000 * cache, "idle_gather_us": gather_us}

@@ -121,17 +121,25 @@ def _worker(rank, world, spec, workdir):
         dist.destroy_process_group()
 
 
-def run(spec, world):
+def spawn_ranks(worker, spec, world):
+    """worker(rank, world, spec, workdir) in `world` fresh processes; the numbers each rank
+    wrote to workdir/result<rank> (rank order), or None if a rank failed."""
     with tempfile.TemporaryDirectory() as workdir:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world, spec, workdir)) for r in range(world)]
+        procs = [ctx.Process(target=worker, args=(r, world, spec, workdir)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(3600)
         if any(p.exitcode != 0 for p in procs):
             return None
-        values = [list(map(float, open(f"{workdir}/result{r}").read().split())) for r in range(world)]
+        return [list(map(float, open(f"{workdir}/result{r}").read().split())) for r in range(world)]
+
+
+def run(spec, world):
+    values = spawn_ranks(_worker, spec, world)
+    if values is None:
+        return None
     elapsed = max(v[0] for v in values)
     peak = max(v[1] for v in values)
     return {"tokens_per_s": spec["seq"] / elapsed, "step_s": elapsed, "peak_mib": peak / 2**20,

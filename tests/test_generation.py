@@ -5,7 +5,6 @@ beam search, and the attention features decoding must keep (windows, sinks, soft
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distributed import run_ranks
 from easy_context import apply_seq_parallel_monkey_patch, generate, remove_seq_parallel_monkey_patch
@@ -148,25 +147,29 @@ def test_bf16_generation_is_as_close_to_fp32_as_the_unpatched_bf16_model():
         assert mine <= 2 * baseline + 1 / 256, (mine, baseline)
 
 
+def generate_keeping_cache(model, ids, mask, **kwargs):
+    """(output, the ShardedKVCache it used) of generate under zigzag_ring_attn."""
+    caches, original = [], ShardedKVCache.__init__
+
+    def keep(self, *args, **options):
+        original(self, *args, **options)
+        caches.append(self)
+
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    ShardedKVCache.__init__ = keep
+    try:
+        output = generate("zigzag_ring_attn", model, ids, attention_mask=mask, **kwargs)
+    finally:
+        ShardedKVCache.__init__ = original
+        remove_seq_parallel_monkey_patch()
+    return output, caches[0]
+
+
 def _cache_worker(rank, world_size):
     """The cache holds this rank's share: balanced, and growing by GROWTH slots at a time."""
     model = tiny_model("llama").eval()
     ids, mask = prompts(1, 131, seed=1)  # 130 tokens prefilled: padded to 132 for the zigzag layout
-    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
-    caches = []
-    original = ShardedKVCache.__init__
-
-    def keep(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        caches.append(self)
-
-    ShardedKVCache.__init__ = keep
-    try:
-        generate("zigzag_ring_attn", model, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    finally:
-        ShardedKVCache.__init__ = original
-        remove_seq_parallel_monkey_patch()
-    cache = caches[0]
+    _, cache = generate_keeping_cache(model, ids, mask, max_new_tokens=10, do_sample=False)
     return cache.length, cache.index.tolist(), [(layer.used, layer.keys.shape[-2]) for layer in cache.layers]
 
 
@@ -191,22 +194,8 @@ def _window_worker(rank, world_size):
     does), global layers keep everything; the tokens stay one process's."""
     model = tiny_model("gemma3_text", sliding_window=16).eval()  # a window layer, then a global one
     ids, mask = prompts(2, 300, seed=8, left_pad=(0, 17))
-    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
-    caches = []
-    original = ShardedKVCache.__init__
-
-    def keep(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        caches.append(self)
-
-    ShardedKVCache.__init__ = keep
     kwargs = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, pad_token_id=0)
-    try:
-        got = generate("zigzag_ring_attn", model, ids, attention_mask=mask, **kwargs)
-    finally:
-        ShardedKVCache.__init__ = original
-        remove_seq_parallel_monkey_patch()
-    cache = caches[0]
+    got, cache = generate_keeping_cache(model, ids, mask, **kwargs)
     layers = [(layer.window, layer.used - (layer.first - layer.base), layer.keys.shape[-2], layer.first,
                cache.index[layer.first:].min().item()) for layer in cache.layers]
     return torch.equal(got, model.generate(ids, attention_mask=mask, **kwargs)), cache.length, layers
