@@ -20,7 +20,7 @@ process's `model.generate` would give. How:
    rank i % P, so the cache stays balanced.
 
 Where the hook sits: hf.py's attention dispatcher hands a layer's call to the cache's `attend`
-while a ShardedKVCache is decoding (`hf.decoding(cache)`); the prefill goes through the
+while a ShardedKVCache is decoding (`hf.decoding_with(cache)`); the prefill goes through the
 mode's own attention. Masks: padding (left-padded batches) and per-layer sliding windows are
 described per cache slot (its sequence index and validity), the same rule as masking.py.
 """
@@ -67,7 +67,7 @@ class _ShardLayer(DynamicLayer):
     def __init__(self):
         super().__init__()
         self.base = self.first = self.used = 0
-        self.length = 0  # the cache's length when this layer was last updated
+        self.updated_at = 0  # the cache's length after this layer's last update
         self.window = None  # the layer's sliding window, learnt at its first decoding step
 
     def store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -115,46 +115,52 @@ class ShardedKVCache(Cache):
         self.length = 0
         self.index: Optional[torch.Tensor] = None  # (slots,) int64
         self.valid: Optional[torch.Tensor] = None  # (B, slots) bool
-        self.decoding = False
-        self._prefill_slots = 0
-        self._kept = None  # positions among the incoming tokens (prefill shard, step) this rank keeps; None: all
-        self._masks: dict = {}  # window -> the step's (B, 1, n, slots) mask or None (all allowed)
+        self.prefilled = False  # False: update stores the prefill's shard; True: update appends a step's tokens
+        self._prefill = None  # (slots the prefill passes, the positions among them that are kept or None, length)
+        self._step_kept = None  # positions among the step's new tokens that this rank keeps
+        self._pending = None  # the layer updated last, whose attention comes next
+        self._masks: dict = {}  # (window, first slot) -> the step's mask or None (all allowed)
 
     # ------------------------------------------------------------ filling
     def start_prefill(self, index: torch.Tensor, valid: torch.Tensor, length: int) -> None:
         """index (slots,): the sequence index of each token this rank prefills, -1 for the
-        padding that made the prompt split; valid (B, slots). The padding is not kept: every
-        later step would attend it through a mask, and a masked kernel is the slower one."""
-        self._prefill_slots, self.length = index.shape[0], length
+        padding that made the prompt split; valid (B, slots); length: the prompt tokens the
+        prefill holds. The padding is not kept: every later step would attend it through a
+        mask, and a masked kernel is the slower one."""
         real = index >= 0
-        self._kept = None if bool(real.all()) else torch.nonzero(real).flatten()
+        self._prefill = (index.shape[0], None if bool(real.all()) else torch.nonzero(real).flatten(), length)
         self.index, self.valid = index[real], valid[:, real]
 
-    def start_decoding(self, batch: int, device) -> None:
+    def finish_prefill(self, batch: int, device) -> None:
+        """From here on update appends decoding steps' tokens; the cache holds the prefill's."""
         if self.index is None:  # a one-token prompt: nothing was prefilled
             self.index = torch.empty(0, dtype=torch.long, device=device)
             self.valid = torch.empty(batch, 0, dtype=torch.bool, device=device)
-        self.decoding, self._kept = True, None
+        else:
+            self.length = self._prefill[2]
+        self.prefilled, self._prefill = True, None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
             self.layers.append(_ShardLayer())
         layer = self.layers[layer_idx]
-        if not self.decoding:
-            if key_states.shape[-2] != self._prefill_slots:
-                raise RuntimeError(f"prefill: layer {layer_idx} has {key_states.shape[-2]} tokens, expected {self._prefill_slots}")
-            layer.length = self.length
-            layer.store(*(x if self._kept is None else x[..., self._kept, :] for x in (key_states, value_states)))
+        if not self.prefilled:
+            slots, kept, length = self._prefill
+            if key_states.shape[-2] != slots:
+                raise RuntimeError(f"prefill: layer {layer_idx} has {key_states.shape[-2]} tokens, expected {slots}")
+            layer.updated_at = length
+            layer.store(*(x if kept is None else x[..., kept, :] for x in (key_states, value_states)))
             return key_states, value_states  # the prefill's attention runs on the shard as it came
         if key_states.shape[0] != self.valid.shape[0]:
             self._expand_batch(key_states.shape[0])
-        if layer.length == self.length:  # the first layer of this step: admit its tokens
+        if layer.updated_at == self.length:  # the first layer of this step: admit its tokens
             self._admit(key_states.shape[-2], key_states.shape[0], key_states.device)
-        layer.length = self.length
+        layer.updated_at = self.length
         if layer.window is not None:  # slots no query from this step on can reach
             oldest_query = self.length - key_states.shape[-2]
             layer.first = max(layer.first, int(torch.searchsorted(self.index, oldest_query - layer.window + 1)))
-        return layer.append(key_states[..., self._kept, :], value_states[..., self._kept, :])
+        self._pending = layer_idx
+        return layer.append(key_states[..., self._step_kept, :], value_states[..., self._step_kept, :])
 
     def _expand_batch(self, batch: int) -> None:
         """model.generate repeats each prompt (num_beams, num_return_sequences) before the
@@ -166,9 +172,9 @@ class ShardedKVCache(Cache):
 
     def _admit(self, new: int, batch: int, device) -> None:
         indices = torch.arange(self.length, self.length + new, device=device)
-        self._kept = torch.nonzero(indices % self.size == self.rank).flatten()
-        self.index = torch.cat([self.index, indices[self._kept]])
-        self.valid = torch.cat([self.valid, torch.ones(batch, len(self._kept), dtype=torch.bool, device=device)], dim=1)
+        self._step_kept = torch.nonzero(indices % self.size == self.rank).flatten()
+        self.index = torch.cat([self.index, indices[self._step_kept]])
+        self.valid = torch.cat([self.valid, torch.ones(batch, len(self._step_kept), dtype=torch.bool, device=device)], dim=1)
         self.length += new
         self._masks = {}
 
@@ -191,6 +197,13 @@ class ShardedKVCache(Cache):
         """Exact attention of the step's queries q (B, Hq, n, D), the same on every rank, over
         the K/V of every rank (k, v: this rank's live slots of layer `layer_idx`, as update
         returned them): local partial, one all-gather, log-sum-exp merge."""
+        if self._pending != layer_idx:
+            # Every rank runs the same forwards, so every rank raises here (no peer left waiting).
+            raise ValueError(
+                "generate: a forward with another cache ran while decoding (guidance_scale or negative_prompt_ids, or "
+                "Phi-3's cache reset when the length crosses original_max_position_embeddings); not supported"
+            )
+        self._pending = None
         layer = self.layers[layer_idx]
         if window is not None and window < self.length:
             layer.window = window  # from the next step on, update drops what falls out of it
@@ -203,12 +216,16 @@ class ShardedKVCache(Cache):
             out, lse = attention_forward(q, k, v, False, scale, mask=mask, softcap=softcap)
         out, lse = out.to(acc), lse.to(acc)
         if self.group is not None:
-            packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()
+            # With the partial (out, lse) goes a checksum of the queries: ranks whose tokens
+            # diverged would otherwise keep decoding different sequences until one stops at
+            # EOS and its peers wait forever.
+            packed = torch.cat([out, lse.unsqueeze(-1), q.to(acc).sum(-1, keepdim=True)], dim=-1).contiguous()
             pieces = [torch.empty_like(packed) for _ in range(self.size)]
             dist.all_gather(pieces, packed, group=self.group)
-            out, lse = pieces[0][..., :-1].clone(), pieces[0][..., -1].clone()
+            _check_same_queries([piece[..., -1] for piece in pieces])
+            out, lse = pieces[0][..., :-2].clone(), pieces[0][..., -2].clone()
             for piece in pieces[1:]:  # rank order on every rank: bitwise equal results
-                merge_block(out, lse, piece[..., :-1], piece[..., -1])
+                merge_block(out, lse, piece[..., :-2], piece[..., -2])
         out, _ = fold_sinks(out, lse, sinks)
         return out.to(q.dtype)
 
@@ -249,6 +266,16 @@ class ShardedKVCache(Cache):
         self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))
 
 
+def _check_same_queries(checksums: list) -> None:
+    """The ranks decode the same tokens: their queries agree (every rank sees every checksum,
+    so every rank decides alike)."""
+    reference = checksums[0]
+    for rank, checksum in enumerate(checksums[1:], start=1):
+        if not torch.allclose(checksum, reference, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"generate: rank {rank} of the sequence-parallel group decodes other tokens than rank 0 "
+                               "(different inputs, weights or generate options on the ranks)")
+
+
 def kv_bytes(cache) -> int:
     """Bytes of K/V a transformers cache holds on this rank (a ShardedKVCache: its shard, spare
     capacity included; a DynamicCache: everything)."""
@@ -284,13 +311,18 @@ def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional
     topology, options = _checked_topology(resolved, options)
     groups = get_groups(topology)
     input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, model)
-    _check_same_everywhere(groups.sp, input_ids, attention_mask, _samples(model, kwargs))
+    config = _generation_config(model, kwargs)
+    for name in ("guidance_scale", "negative_prompt_ids"):
+        if getattr(config, name, None) not in (None, 1, 1.0) or kwargs.get(name) is not None:
+            raise ValueError(f"generate: {name} is not supported (classifier-free guidance runs a second forward "
+                             "with a cache of its own)")
+    _check_same_everywhere(groups.sp, input_ids, attention_mask, bool(getattr(config, "do_sample", False)))
 
     cache = ShardedKVCache(groups.sp, groups.sp_rank, topology.sp_size)
     with torch.no_grad():
         _prefill(mode, model, cache, input_ids, attention_mask, topology, groups.sp_rank, options)
-    cache.start_decoding(input_ids.shape[0], input_ids.device)
-    with hf.decoding(cache):
+    cache.finish_prefill(input_ids.shape[0], input_ids.device)
+    with hf.decoding_with(cache):
         # cache_implementation=None: a model's generation config may name one (Gemma 2: "hybrid"),
         # which transformers refuses next to a cache it is given; ours replaces it.
         output = model.generate(input_ids, attention_mask=attention_mask, cache=cache, cache_implementation=None, **kwargs)
@@ -344,14 +376,14 @@ def _checked_prompt(input_ids, attention_mask, model):
     return input_ids, attention_mask
 
 
-def _samples(model, kwargs) -> bool:
-    """Whether model.generate(**kwargs) will sample (transformers' own reading of the options)."""
+def _generation_config(model, kwargs):
+    """The generation config model.generate(**kwargs) will use (transformers' own merge of the
+    model's defaults and the call's options); None for a model without one."""
     prepare = getattr(model, "_prepare_generation_config", None)
     if prepare is None:  # not a transformers generation model: its generate will say so
-        return False
+        return None
     options = {name: value for name, value in kwargs.items() if name != "generation_config"}
-    config, _ = prepare(kwargs.get("generation_config"), **options)
-    return bool(config.do_sample)
+    return prepare(kwargs.get("generation_config"), **options)[0]
 
 
 def _fingerprint(x: torch.Tensor) -> torch.Tensor:
@@ -359,22 +391,22 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), (x.flatten().double() * weights).sum()])
 
 
-def _check_same_everywhere(group, tokens, mask, rng: bool, what: str = "prompts") -> None:
+def _check_same_everywhere(group, tokens, mask, sampling: bool, what: str = "prompts") -> None:
     """Every rank of the SP group must hold the same prompts (and, when sampling, the same
-    random state): a difference would make the sharded cache a mix of two sequences."""
+    random state): a difference would make the sharded cache a mix of two sequences. Every
+    rank sends the same number of values, whatever it was given."""
     if group is None:
         return
-    parts = [_fingerprint(tokens)]
-    if mask is not None:
-        parts.append(_fingerprint(mask))
-    if rng:
+    state = None
+    if sampling:
         state = torch.cuda.get_rng_state(tokens.device) if tokens.device.type == "cuda" else torch.get_rng_state()
-        parts.append(_fingerprint(state.to(tokens.device)))
-    local = torch.cat(parts)
+    parts = [_fingerprint(x.to(tokens.device)) if x is not None else torch.zeros(2, dtype=torch.float64, device=tokens.device)
+             for x in (tokens, mask, state)]
+    local = torch.cat(parts + [torch.tensor([float(sampling)], dtype=torch.float64, device=tokens.device)])
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, local, group=group)
     if any(not torch.equal(piece, pieces[0]) for piece in pieces):
-        hint = " and random states (seed every rank alike: torch.manual_seed)" if rng else ""
+        hint = " and random states (seed every rank alike: torch.manual_seed)" if sampling else ""
         raise ValueError(f"generate: the {what}{hint} differ between the ranks of the sequence-parallel group")
 
 

@@ -145,9 +145,9 @@ def _unshard_by_index(pieces, layout: Layout):
 def _check_positions(pieces, size: int, rank: int, layout: Layout) -> None:
     """Positions left to the model's default (arange over each local shard) give wrong RoPE
     on every rank but the first, and would read as documents cut at shard boundaries."""
-    if size == 1:
-        return
     local_len = pieces[0].shape[-1]
+    if size == 1 or local_len == 1:  # one token per rank: real positions can look like the default
+        return
     arange = torch.arange(local_len, device=pieces[0].device)
     if all(bool((piece[0] == arange).all()) for piece in pieces):
         raise ValueError(
@@ -247,14 +247,13 @@ def _check_supported(module, attention_mask, kwargs) -> None:
 
 # ------------------------------------------------------------------ dispatchers
 def _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs):
-    if _decoding is not None and _decoding.decoding:
-        _check_supported(module, attention_mask, kwargs)
+    _check_supported(module, attention_mask, kwargs)
+    if _decoding_cache is not None:
         window = kwargs.get("sliding_window")
 
         def attend(q, k, v, scale, **options):
-            return _decoding.attend(q, k, v, scale, module.layer_idx, window=window, **options)
+            return _decoding_cache.attend(q, k, v, scale, module.layer_idx, window=window, **options)
     else:
-        _check_supported(module, attention_mask, kwargs)
         attend = _mode_attention(module, query, key, attention_mask, kwargs)
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
     options = _logit_options(module, kwargs)
@@ -302,19 +301,19 @@ def _mode_attention(module, query, key, attention_mask, kwargs):
     return attend
 
 
-# While generation.generate decodes, its ShardedKVCache (one layer call = one decoding step's
-# queries, the same on every rank, against this rank's K/V shard).
-_decoding = None
+# While generation.generate decodes, its ShardedKVCache: a layer's call is then one decoding
+# step's queries, the same on every rank, against this rank's K/V shard.
+_decoding_cache = None
 
 
 @contextlib.contextmanager
-def decoding(cache):
-    global _decoding
-    previous, _decoding = _decoding, cache
+def decoding_with(cache):
+    global _decoding_cache
+    previous, _decoding_cache = _decoding_cache, cache
     try:
         yield cache
     finally:
-        _decoding = previous
+        _decoding_cache = previous
 
 
 def _original_attention(name, module):

@@ -13,8 +13,8 @@ from tiny_models import VOCAB, tiny_model
 
 LOGITS_TOL = 1e-4  # test_models.py's fp32 forward bound; measured <= 3e-7 here
 NEW_TOKENS = 40
-# Lengths that no layout of 2 or 4 ranks splits (1, 37, 130), and one that all do (64).
-PROMPT_LENGTHS = (1, 37, 64, 130)
+# Lengths that no layout of 2 or 4 ranks splits (1, 2, 37, 130), and one that all do (64).
+PROMPT_LENGTHS = (1, 2, 37, 64, 130)
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
 
 
@@ -51,8 +51,9 @@ def _greedy_worker(rank, world_size, mode):
         model = tiny_model(model_type).eval()
         for length in PROMPT_LENGTHS:
             results[(model_type, length)] = compare(model, mode, *prompts(1, length, seed=length))
-        # Two different prompts, left-padded to one length; a prefix shorter than the layout's split.
+        # Two different prompts, left-padded to one length; then a prefix shorter than the layout's split.
         results[(model_type, "batch2")] = compare(model, mode, *prompts(2, 75, seed=7, left_pad=(0, 29)))
+        results[(model_type, "batch2-short")] = compare(model, mode, *prompts(2, 3, seed=9, left_pad=(1, 0)))
     return results
 
 
@@ -72,7 +73,10 @@ def _sampling_worker(rank, world_size, mode):
     model = tiny_model("qwen3").eval()
     ids, mask = prompts(2, 50, seed=3, left_pad=(11, 0))
     sampled = dict(do_sample=True, top_k=0, temperature=1.3, output_logits=False)
+    # EOS: the token the first row greedily generates 6th ends that row early, later or never the other.
+    eos = int(model.generate(ids, attention_mask=mask, **{**GREEDY, "max_new_tokens": 6}).sequences[0, -1])
     return {
+        "eos": compare(model, mode, ids, mask, eos_token_id=eos, output_logits=False),
         "sample": compare(model, mode, ids, mask, seed=1234, **sampled),
         "sample-x2": compare(model, mode, ids, mask, seed=99, num_return_sequences=2, **sampled),
         "beams": compare(model, mode, ids, mask, num_beams=3, output_logits=False),
@@ -87,6 +91,8 @@ def test_sampling_and_beams_match_one_process(mode, world_size):
         assert same, case
         assert all(torch.equal(other[case][2], sequences) for other in per_rank[1:]), ("ranks differ", case)
     assert per_rank[0]["sample-x2"][2].shape[0] == 4
+    ended = per_rank[0]["eos"][2]
+    assert ended.shape[1] < 50 + NEW_TOKENS and (ended[0, 50 + 6:] == 0).all()  # row 0 padded after its EOS
 
 
 # Features decoding has to apply to every cached key: windows shorter than the prompt (per
@@ -234,6 +240,11 @@ def _refusals_worker(rank, world_size):
     refused("other options", lambda: generate("zigzag_ring_attn", model, same, sp_size=1))
     torch.manual_seed(rank)  # a different random state on each rank
     refused("seeds", lambda: generate("zigzag_ring_attn", model, same, do_sample=True, max_new_tokens=2))
+    torch.manual_seed(0)
+    try:  # the same seed, but another temperature on each rank: the sampled tokens part ways
+        generate("zigzag_ring_attn", model, same, do_sample=True, top_k=0, temperature=0.5 + 2 * rank, max_new_tokens=30)
+    except RuntimeError as error:
+        found["diverged"] = str(error)
     model.train()
     refused("training", lambda: generate("zigzag_ring_attn", model, same))
     model.eval()
@@ -254,6 +265,7 @@ def test_generate_refusals_are_clear():
         "other options": "sp_size=1, ring_degree=1 differ",
         "seeds": "random states",
         "training": "call model.eval() first",
+        "diverged": "rank 1 of the sequence-parallel group decodes other tokens than rank 0",
         "plain model.generate": "use easy_context.generate",
     }
     for name, text in expected.items():
@@ -281,6 +293,7 @@ def test_generate_refuses_what_it_cannot_do_in_one_process():
             "embeddings": (dict(inputs_embeds=torch.zeros(1)), "inputs_embeds is not supported (pass input_ids)"),
             "positions": (dict(position_ids=torch.zeros(1)), "position_ids is not supported"),
             "document_split": (dict(document_split=True), "document_split is for packed rows"),
+            "guidance": (dict(guidance_scale=1.5), "guidance_scale is not supported"),
         }
         for name, (kwargs, text) in cases.items():
             with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
@@ -292,3 +305,16 @@ def test_generate_refuses_what_it_cannot_do_in_one_process():
     finally:
         remove_seq_parallel_monkey_patch()
     assert torch.equal(got, model.generate(ids, attention_mask=mask, **want_kwargs))
+
+
+def test_a_forward_with_another_cache_while_decoding_is_refused():
+    """Phi-3 drops the cache when the length crosses original_max_position_embeddings and runs
+    the whole sequence again with a cache of its own: refused (on every rank alike)."""
+    model = tiny_model("phi3", original_max_position_embeddings=40, sliding_window=None).eval()
+    ids, mask = prompts(1, 30, seed=3)
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    try:
+        with pytest.raises(ValueError, match="a forward with another cache ran while decoding"):
+            generate("zigzag_ring_attn", model, ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    finally:
+        remove_seq_parallel_monkey_patch()
