@@ -22,43 +22,80 @@ from ..process_groups import divisors
 from ..zigzag_ring_attn import zigzag_ring_attention
 
 
-def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """Piece i of x along scatter_dim goes to rank i; the pieces received are concatenated
-    along gather_dim. Copies only where the layout forces one: the send buffer must be
-    contiguous (gloo silently corrupts some strided tensors) and is x itself when its pieces
-    already are (heads of a batch of one); the result is a view of the receive buffer when
-    the pieces line up (the sequence back from heads at batch one)."""
-    size = dist.get_world_size(group)
-    send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
+def _exchange(send: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_single on a contiguous (U, ...) send buffer: piece i goes to rank i, and piece
+    j of the result came from rank j. gloo silently corrupts some strided tensors, so both
+    buffers are contiguous."""
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
+    return received
+
+
+# Memory layout: the heads-sharded q/k/v (and dout in the backward) are (B, H/U, S, D) views of
+# (B, S, H/U, D)-dense memory, the layout HF's projections have and the one the kernels want:
+# cpu_flash's backward copies a dout of any other layout (one more tensor alive at the peak of
+# the backward), and the flash kernels take (B, S, H, D) too. Each direction copies once at a
+# batch of one (packing the send buffer, or unpacking the received one), twice above.
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, S/U, D), any strides -> (B, H/U, S, D) over (B, S, H/U, D) memory."""
+    size = dist.get_world_size(group)
+    # piece i: heads [i H/U, (i + 1) H/U) of my positions, packed (B, S/U, H/U, D)
+    send = x.unflatten(1, (size, -1)).permute(1, 0, 3, 2, 4).contiguous()
+    received = _exchange(send, group)  # piece j: positions [j S/U, (j + 1) S/U)
     del send
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    return received.transpose(0, 1).flatten(1, 2).transpose(1, 2)  # a view at B = 1
 
 
-class _AllToAll(torch.autograd.Function):
+def _heads_to_seq(y: torch.Tensor, group, like=None) -> torch.Tensor:
+    """(B, H/U, S, D) -> (B, H, S/U, D), with the strides of `like` (any device, meta
+    included) or else over (B, S/U, H, D) memory. No copy before sending when y is a view of
+    (B, S, H/U, D) memory at B = 1 (what the kernels return for _seq_to_heads' layout)."""
+    size = dist.get_world_size(group)
+    # piece i: positions [i S/U, (i + 1) S/U) of my heads, packed (B, S/U, H/U, D)
+    send = y.transpose(1, 2).unflatten(1, (size, -1)).movedim(1, 0).contiguous()
+    received = _exchange(send, group)  # piece j: heads [j H/U, (j + 1) H/U)
+    del send
+    b, heads, seq, d = y.shape
+    if like is None:
+        out = torch.empty(b, seq // size, heads * size, d, dtype=y.dtype, device=y.device).transpose(1, 2)
+    else:
+        out = torch.empty_strided(like.shape, like.stride(), dtype=y.dtype, device=y.device)
+    out.unflatten(1, (size, -1)).copy_(received.permute(1, 0, 3, 2, 4))
+    return out
+
+
+class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return _all_to_all(x, group, scatter_dim, gather_dim)
+    def forward(ctx, x, group):
+        # x's layout (not x: nothing is kept alive), so its gradient obeys autograd's layout
+        # contract and a leaf's .grad is not copied once more by AccumulateGrad
+        ctx.group, ctx.like = group, torch.empty_like(x, device="meta")
+        return _seq_to_heads(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+        return _heads_to_seq(grad, ctx.group, ctx.like), None
 
 
-_HEADS, _SEQ = 1, 2  # dims of (B, H, S, D)
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _heads_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
 
 
 def seq_to_heads(x, group):
-    """(B, H, S/U, D) on each rank -> (B, H/U, S, D)."""
-    return _AllToAll.apply(x, group, _HEADS, _SEQ)
+    """(B, H, S/U, D) on each rank -> (B, H/U, S, D), a view of (B, S, H/U, D) memory."""
+    return _SeqToHeads.apply(x, group)
 
 
 def heads_to_seq(x, group):
-    """(B, H/U, S, D) on each rank -> (B, H, S/U, D)."""
-    return _AllToAll.apply(x, group, _SEQ, _HEADS)
+    """(B, H/U, S, D) on each rank -> (B, H, S/U, D), a view of (B, S/U, H, D) memory."""
+    return _HeadsToSeq.apply(x, group)
 
 
 def ulysses_attention(q, k, v, scale, groups, layer=None, mask=None, softcap=None, sinks=None):
