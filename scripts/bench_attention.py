@@ -16,6 +16,10 @@ Side by side, in one run, for every mask, sequence length and world size asked f
                       gloo group, torch SDPA as its inner attention (when deepspeed is missing
                       or fails, its row says why instead) (causal mask only: it cannot take
                       easy_context's masks)
+  <peer>              other projects' attention (--peers; scripts/bench_peers.py: axolotl-ringmaster's
+                      ring / zigzag / distflash / Ulysses / USP, lucidrains' ring and striped ring),
+                      P > 1, causal only, always checked against SDPA: a wrong peer is flagged WRONG
+                      in its row, one that cannot run gets the reason; neither fails the run
 
 Masks (--masks, comma separated; default causal). Each is an easy_context.masking.SequenceMask
 over the whole sequence (SequenceMask.from_positions(position_ids).with_window(w), documents
@@ -75,6 +79,7 @@ import math
 import multiprocessing as mp
 import os
 import queue as queue_module
+import shutil
 import statistics
 import sys
 import tempfile
@@ -86,6 +91,8 @@ import types
 # parent's high-water RSS into their own ru_maxrss, so a light parent keeps that number honest.
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peers  # noqa: E402  (other projects' attention: adapters, checks, summary table)
 CPU_CORES = 2  # the machine this benchmark is written for (see docs/benchmarks.md)
 BASELINE = "baseline"
 DEEPSPEED = "deepspeed_ulysses"
@@ -426,6 +433,9 @@ def _worker(rank, world, specs, init_file, results):
             results.put(("ok", rank, index, result))
         except _SetupError as exc:  # every rank stops here alike: go on with the next one
             results.put(("skipped", rank, index, str(exc)))
+        except PeerFailure as exc:  # its row says why; no traceback
+            results.put(("error", rank, index, str(exc)))
+            return
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a table row
             tb = traceback.format_exc(limit=6)
             sys.stderr.write(f"[{spec['config']} rank {rank}] {tb}\n")
@@ -439,7 +449,9 @@ def _run_rank(torch, rank, world, spec, init_file):
     config, S, B, Hq, Hkv, D = spec["config"], spec["S"], spec["B"], spec["Hq"], spec["Hkv"], spec["D"]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
     scale = 1.0 / math.sqrt(D)
-    dist, analytic = None, None
+    dist, analytic, to_out = None, None, None
+    peer = bench_peers.always_checked(config)  # a peer's (or DeepSpeed's) errors are reported, never fatal
+    check = spec["check"] or peer
     if config != BASELINE:
         import torch.distributed as dist
 
@@ -458,8 +470,8 @@ def _run_rank(torch, rank, world, spec, init_file):
 
             def shard(x):
                 return x
-        elif config == DEEPSPEED:
-            attend, shard = _deepspeed_attention(torch, F, dist, rank, world, spec, scale)
+        elif config == DEEPSPEED or peer:
+            attend, shard, to_out = bench_peers.make(config, torch, F, dist, rank, world, spec, scale)
         else:
             modes, process_groups = import_easy_context_modes()
             mode = modes.get_mode(config)
@@ -488,17 +500,26 @@ def _run_rank(torch, rank, world, spec, init_file):
         # reset before the steps, so this transient does not count.
         gq, gk, gv, gdout = _make_inputs(torch, (B, Hq, S, D), (B, Hkv, S, D), dtype, spec["seed"])
         q, k, v, dout = (shard(x).contiguous() for x in (gq, gk, gv, gdout))
-        if not spec["check"]:
+        if not check:
             del gq, gk, gv, gdout
-        if config == DEEPSPEED:
-            dout = dout.transpose(1, 2).reshape(B, S // world, Hq * D).contiguous()
+        if to_out is not None:  # the layout the attention returns
+            dout = to_out(dout)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
     except Exception as exc:
         raise _SetupError(f"{type(exc).__name__}: {_first_line(exc)}") from exc
 
     def step():
-        out = attend(q, k, v)
-        out.backward(dout)
+        phase = "forward"
+        try:
+            out = attend(q, k, v)
+            phase = "backward"
+            out.backward(dout)
+        except Exception as exc:
+            if not peer:
+                raise
+            why = _first_line(exc)
+            why = why[:why.index(". ") + 1] if ". " in why[:200] else why[:200]  # torch's dispatcher lists
+            raise PeerFailure(f"{phase} fails: {type(exc).__name__}: {why}") from exc
         return out
 
     def clear():  # outside the timed region: no step starts with the previous step's grads
@@ -546,78 +567,71 @@ def _run_rank(torch, rank, world, spec, init_file):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         result["times"] = t.tolist()
 
-    # ---- optional correctness check against SDPA on the whole sequence (after measuring)
-    if spec["check"]:
+    # ---- correctness check against SDPA on the whole sequence (after measuring): with
+    # --check, and always for peers; the max over ranks of each error
+    if check:
         clear()
         out = step()
-        ref_q, ref_k, ref_v = (x.detach().clone().requires_grad_() for x in (gq, gk, gv))
-        if spec["mask"] == CAUSAL:
-            ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=Hkv != Hq)
-        else:  # the dense boolean mask of the same rule, on the whole sequence
-            dense = dense_reference_mask(torch, spec["mask"], S, spec["seed"])
-            ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, attn_mask=dense, scale=scale,
-                                                 enable_gqa=Hkv != Hq)
-        ref.backward(gdout)
-        if config == DEEPSPEED:
-            out = out.reshape(B, S // world, Hq, D).transpose(1, 2)
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        errors = {
-            "out": (out.detach() - shard(ref.detach())).abs().max().item(),
-            "dq": (q.grad - shard(ref_q.grad)).abs().max().item(),
-            "dk": (k.grad - shard(ref_k.grad)).abs().max().item(),
-            "dv": (v.grad - shard(ref_v.grad)).abs().max().item(),
-        }
+        ref, ref_dq, ref_dk, ref_dv = _reference(torch, F, spec, scale, (gq, gk, gv, gdout), dist, rank)
+        if to_out is not None:
+            ref = to_out(shard(ref))
+        else:
+            ref = shard(ref)
+        errors = {"out": (out.detach() - ref).abs().max().item(),
+                  "dq": (q.grad - shard(ref_dq)).abs().max().item(),
+                  "dk": (k.grad - shard(ref_dk)).abs().max().item(),
+                  "dv": (v.grad - shard(ref_dv)).abs().max().item()}
+        if dist is not None:
+            t = torch.tensor(list(errors.values()), dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            errors = dict(zip(errors, t.tolist()))
+        result["errors"] = errors
         worst = max(errors.values())
-        result["check"] = f"max err {worst:.1e}"
-        if not worst < tol:
-            raise AssertionError(f"{config} ({spec['mask']}) differs from SDPA on rank {rank}: {errors}")
+        if peer:
+            result["check"] = bench_peers.error_note(config, errors, spec["dtype"], Hq, Hkv)
+        else:
+            result["check"] = f"max err {worst:.1e}"
+            if not worst < bench_peers.TOLERANCE[spec["dtype"]]:
+                raise AssertionError(f"{config} ({spec['mask']}) differs from SDPA: {errors}")
 
     if dist is not None:
         dist.barrier()
     return result
 
 
-def _deepspeed_attention(torch, F, dist, rank, world, spec, scale):
-    """DeepSpeed's UlyssesSPAttentionHF called directly on (q, k, v) shards, the way HF calls
-    a registered attention: forward(module, q, k, v, attention_mask, position_ids=...).
-    Its own sharding is contiguous; its output is (B, S_local, Hq*D)."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-    import deepspeed.comm
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+def _reference(torch, F, spec, scale, inputs, dist, rank):
+    """SDPA on the whole sequence: (out, dq, dk, dv), global. With spec["ref_dir"] computed once
+    per shape, mask and seed for the whole run (by rank 0, saved there) and loaded by the rest."""
+    path = None
+    if spec.get("ref_dir"):
+        key = "_".join(str(spec[k]) for k in ("S", "B", "Hq", "Hkv", "D", "dtype", "mask", "seed"))
+        path = os.path.join(spec["ref_dir"], key + ".pt")
+    if path is None or not os.path.exists(path):
+        if path is None or dist is None or rank == 0:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(CPU_CORES)  # the other ranks wait at the barrier below
+            gq, gk, gv, gdout = inputs
+            ref_q, ref_k, ref_v = (x.detach().clone().requires_grad_() for x in (gq, gk, gv))
+            gqa = spec["Hkv"] != spec["Hq"]
+            if spec["mask"] == CAUSAL:
+                ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:  # the dense boolean mask of the same rule, on the whole sequence
+                dense = dense_reference_mask(torch, spec["mask"], spec["S"], spec["seed"])
+                ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+            ref.backward(gdout)
+            torch.set_num_threads(threads)
+            result = (ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad)
+            if path is None:
+                return result
+            torch.save(result, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        if dist is not None:
+            dist.barrier()
+    return torch.load(path)
 
-    # deepspeed.comm wraps the torch process group that already exists (gloo).
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    S, B, Hq, Hkv, D = spec["S"], spec["B"], spec["Hq"], spec["Hkv"], spec["D"]
-    group = dist.new_group(list(range(world)))
 
-    def inner(module, q, k, v, attention_mask, *args, **kwargs):
-        # the role of transformers' sdpa_attention_forward: returns (B, S, H, D), weights
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2), None
-
-    ulysses = UlyssesSPAttentionHF(
-        attn=inner, batch_size=B, attn_head_count=Hq, attn_head_size=D, kv_head_count=Hkv,
-        num_hidden_layers=1, process_group=group, seq_length_is_variable=True,
-    )
-
-    class Layer(torch.nn.Module):  # stands in for the HF attention module
-        is_causal = True
-        num_key_value_groups = Hq // Hkv
-
-    layer = Layer().train()
-    S_l = S // world
-    position_ids = torch.arange(rank * S_l, (rank + 1) * S_l).unsqueeze(0).expand(B, -1).contiguous()
-
-    def attend(q, k, v):
-        out, _ = ulysses(layer, q, k, v, None, position_ids=position_ids)
-        return out
-
-    def shard(x):  # contiguous shards, as UlyssesSPDataLoaderAdapter produces
-        return x.chunk(world, dim=2)[rank]
-
-    return attend, shard
+class PeerFailure(Exception):
+    """A peer's step failed (the message says which phase and why): its row, not the run."""
 
 
 # ------------------------------------------------------------------------------ driver
@@ -689,6 +703,7 @@ def run_group(specs, world, timeout):
                 "comm_counted": max(ranks[r]["comm_counted"] for r in range(world)),
                 "comm_analytic": ranks[0].get("comm_analytic"),
                 "check": ranks[0].get("check", ""),
+                "errors": ranks[0].get("errors"),
                 "others_cpu_s": others,
                 "window_s": window,
             })
@@ -714,6 +729,16 @@ def parse_args(argv=None):
     p.add_argument("--world-sizes", default="2", help="numbers of ranks P, comma separated (default 2)")
     p.add_argument("--modes", default="all",
                    help=f"comma list of {BASELINE}, easy_context mode names, {DEEPSPEED}; 'all' (default) = every one")
+    p.add_argument("--peers", default=None,
+                   help="other projects' attention, comma list of names or packages (ringmaster, lucidrains), 'all' "
+                        "or 'none'; default: all, unless --modes or --smoke/--smoke-masks is given (then none). "
+                        "Peers run at P > 1, causal only, each in fresh processes, and are always checked against "
+                        "SDPA (a wrong or failing peer is marked in its row, never fails the run); see "
+                        "scripts/bench_peers.py")
+    p.add_argument("--peer-max-gib", type=float, default=3.5, metavar="GiB",
+                   help="skip a peer whose estimated memory (S_local^2 fp32 score blocks) is over this per rank")
+    p.add_argument("--peer-max-gib-total", type=float, default=7.5, metavar="GiB",
+                   help="... or over this for all P ranks together")
     p.add_argument("--masks", default=None,
                    help=f"attention masks, comma separated (default {CAUSAL}): {MASK_HELP}. The baseline and "
                         f"{DEEPSPEED} run for {CAUSAL} only")
@@ -749,6 +774,12 @@ def parse_args(argv=None):
     if args.smoke_masks:
         args.masks = args.masks or SMOKE_MASKS
         args.modes = SMOKE_MASK_MODES if args.modes == "all" else args.modes
+    if args.peers is None:
+        args.peers = "none" if args.modes != "all" or args.smoke or args.smoke_masks else "all"
+    try:
+        bench_peers.select(args.peers)
+    except ValueError as exc:
+        p.error(str(exc))
     args.masks = list(dict.fromkeys(m.strip() for m in (args.masks or CAUSAL).split(",") if m.strip()))
     for name in args.masks:
         try:
@@ -858,7 +889,8 @@ def rows_from_csv(paths):
                     row[key] = int(row[key])
                 row["mask"] = row.get("mask") or CAUSAL  # before allowed_ratio: the CSV's column order
                 for key in ("time_s", "speedup", "efficiency", "peak_mib_max", "comm_mib_analytic",
-                            "comm_mib_counted", "others_cpu_s", "allowed_ratio"):
+                            "comm_mib_counted", "others_cpu_s", "allowed_ratio", "err_out", "err_dq", "err_dk",
+                            "err_dv"):
                     row[key] = float(row[key]) if row.get(key) not in (None, "") else None
                 if row["allowed_ratio"] is None and row["mask"] == CAUSAL:
                     row["allowed_ratio"] = 1.0
@@ -880,6 +912,12 @@ def rows_from_csv(paths):
 def write_outputs(rows, args, seq_lens):
     print()
     print(format_table(rows))
+    peer_table = bench_peers.summary(rows, args.dtype)
+    if peer_table:
+        print()
+        print("peers: errors against SDPA on the whole sequence (max over ranks); ratios of our fastest / "
+              "lowest-peak mode at the same S and P over each exact peer's")
+        print(peer_table)
     summary = format_mask_summary(rows)
     if summary:
         print()
@@ -913,6 +951,16 @@ def main(argv=None):
     mine, ds_problem, ratios = probe(wanted_names is None or DEEPSPEED in wanted_names,
                                      args.masks, args.seq_lens, args.seed)
     known = [BASELINE, *mine, DEEPSPEED]
+    peers = bench_peers.select(args.peers)
+
+    def no_run(config, S, P):  # why a configuration gets its row without running, or None
+        if config == DEEPSPEED:
+            return ds_problem
+        if bench_peers.is_peer(config):
+            return bench_peers.not_installed(config) or bench_peers.memory_skip(
+                config, S, P, args.batch, args.heads, args.kv_heads, args.head_dim, args.peer_max_gib,
+                args.peer_max_gib_total)
+        return None
     wanted = known if wanted_names is None else wanted_names
     wanted = [m for m in wanted if m != DEEPSPEED] + [m for m in wanted if m == DEEPSPEED]  # DeepSpeed last
     unknown = [m for m in wanted if m not in known]
@@ -922,23 +970,25 @@ def main(argv=None):
     shape = dict(B=args.batch, Hq=args.heads, Hkv=args.kv_heads, D=args.head_dim, dtype=args.dtype)
     print(f"# one attention layer fwd+bwd: B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
           f"{args.dtype}; masks: {args.masks}; {args.iters} measured iters after 1 warm-up; modes: {wanted}"
+          + (f"; peers: {peers}" if peers else "")
           + ("; configurations share processes" if args.shared_processes else "")
           + ("; --exact-memory" if args.exact_memory else ""), flush=True)
     if any(m != CAUSAL for m in args.masks) and {BASELINE, DEEPSPEED} & set(wanted):
         print(f"# {BASELINE} and {DEEPSPEED} run for the {CAUSAL} mask only", flush=True)
     rows = []
     base_times = {}  # S -> the causal baseline's time
-    for S, P, work in _groups(args, wanted, ds_problem):
+    ref_dir = tempfile.mkdtemp(prefix="bench_attn_ref_")  # SDPA references for the checks, one per shape
+    for S, P, work in _groups(args, wanted, peers, no_run):
         configs = [c for c, _ in work]
-        specs = [dict(config=c, S=S, mask=mask, iters=args.iters, check=args.check, seed=args.seed,
+        specs = [dict(config=c, S=S, mask=mask, iters=args.iters, check=args.check, seed=args.seed, ref_dir=ref_dir,
                       threads=CPU_CORES if c == BASELINE else max(1, CPU_CORES // P), **shape)
                  for c, mask in work]
         for attempt in range(1 + args.retry_busy):
             if args.wait_idle:
                 _wait_for_idle(args.wait_idle)
             t0, load = time.time(), _load_average()
-            if configs == [DEEPSPEED] and ds_problem:
-                results = [{"error": ds_problem}]
+            if len(configs) == 1 and no_run(configs[0], S, P):
+                results = [{"error": no_run(configs[0], S, P)}]
                 break
             results = run_group(specs, P, args.timeout)
             busy = [r for r in results if _busy(r)]
@@ -949,7 +999,8 @@ def main(argv=None):
         for spec, res in zip(specs, results):
             mask, causal = spec["mask"], spec["mask"] == CAUSAL
             print(f"  {spec['config']:>18} S={S} P={P}" + ("" if causal else f" {mask}") + ": "
-                  + (f"{res['time']:.3f} s" if "error" not in res else f"FAILED ({res['error']})")
+                  + (f"{res['time']:.3f} s" if "error" not in res else res["error"] if no_run(spec["config"], S, P)
+                     else f"FAILED ({res['error']})")
                   + (f"  [{time.time() - t0:.0f} s wall]" if len(specs) == 1 else ""), flush=True)
             if spec["config"] == BASELINE and "error" not in res:
                 base_times[S] = res["time"]
@@ -961,44 +1012,47 @@ def main(argv=None):
         if len(specs) > 1:
             print(f"  [{time.time() - t0:.0f} s wall for these {len(specs)}]", flush=True)
 
+    shutil.rmtree(ref_dir, ignore_errors=True)
     write_outputs(rows, args, args.seq_lens)
     print(f"(total {time.time() - started:.0f} s)")
-    # A failing easy_context mode fails the run (CI); a missing/failing DeepSpeed does not.
-    failed = [r for r in rows if r["time_s"] is None and r["config"] != DEEPSPEED]
+    # A failing easy_context mode fails the run (CI); a missing/failing DeepSpeed or peer does not.
+    failed = [r for r in rows if r["time_s"] is None and r["config"] != DEEPSPEED and not bench_peers.is_peer(r["config"])]
     return 1 if failed else 0
 
 
-def _groups(args, wanted, ds_problem):
+def _groups(args, wanted, peers, no_run):
     """(S, P, [(config, mask), ...]) in the order they run, one process group each: every
     mask x every S x every P, one configuration per group; with --shared-processes one group
-    per S and P holding every mode and mask. The baseline (P=1, whole sequence) and
-    DeepSpeed run for the causal mask only."""
+    per S and P holding every mode and mask. The baseline (P=1, whole sequence), DeepSpeed and
+    the peers (P > 1 only) run for the causal mask only, after our modes; a peer always in
+    processes of its own (a failing one stops its ranks), as does anything that gets its row
+    without running (no_run: not installed, over the memory limit)."""
     parallel = [m for m in wanted if m not in (BASELINE, DEEPSPEED)]
-    deepspeed = DEEPSPEED in wanted and CAUSAL in args.masks
+    causal_only = ([DEEPSPEED] if DEEPSPEED in wanted else []) + peers if CAUSAL in args.masks else []
 
     def baseline(S):
         return [(S, 1, [(BASELINE, CAUSAL)])] if BASELINE in wanted and CAUSAL in args.masks else []
 
-    def deepspeed_row(S, P, mask):  # a missing DeepSpeed gets its row without running anything
-        return [(S, P, [(DEEPSPEED, CAUSAL)])] if deepspeed and mask == CAUSAL and ds_problem else []
+    def extra(S, P, shared):  # (configurations that join the shared group, groups of their own)
+        mine = [c for c in causal_only if P > 1 or not bench_peers.is_peer(c)]
+        alone = [c for c in mine if not shared or no_run(c, S, P) or bench_peers.is_peer(c)]
+        return [(c, CAUSAL) for c in mine if c not in alone], [(S, P, [(c, CAUSAL)]) for c in alone]
 
     groups = []
     if args.shared_processes:
         for S in args.seq_lens:
             groups += baseline(S)
             for P in args.world_sizes:
-                work = [(c, mask) for mask in args.masks for c in parallel]
-                work += [(DEEPSPEED, CAUSAL)] if deepspeed and not ds_problem else []
-                groups += [(S, P, work)] if work else []
-                groups += deepspeed_row(S, P, CAUSAL)
+                joining, own = extra(S, P, True)
+                work = [(c, mask) for mask in args.masks for c in parallel] + joining
+                groups += ([(S, P, work)] if work else []) + own
         return groups
     for mask in args.masks:
         for S in args.seq_lens:
             groups += baseline(S) if mask == CAUSAL else []
             for P in args.world_sizes:
                 groups += [(S, P, [(c, mask)]) for c in parallel]
-                groups += [(S, P, [(DEEPSPEED, mask)])] if deepspeed and mask == CAUSAL and not ds_problem else []
-                groups += deepspeed_row(S, P, mask)
+                groups += extra(S, P, False)[1] if mask == CAUSAL else []
     return groups
 
 
@@ -1034,7 +1088,7 @@ def make_row(spec, P, res, base_time, args):
     row = dict(config=config, S=S, P=P, threads_per_rank=threads, time_s=None, speedup=None, efficiency=None,
                peak_mib_per_rank="", peak_mib_max=None, peak_mib_measured_steps_per_rank="",
                comm_mib_analytic=None if analytic is None else analytic / MiB, comm_mib_counted=None,
-               others_cpu_s=None, times="", notes="")
+               others_cpu_s=None, times="", notes="", err_out=None, err_dq=None, err_dk=None, err_dv=None)
     if "error" in res:
         row["notes"] = res["error"].replace("|", "/")
         row["comm_mib_analytic"] = None
@@ -1047,6 +1101,8 @@ def make_row(spec, P, res, base_time, args):
     row["comm_mib_counted"] = res["comm_counted"] / MiB
     if row["comm_mib_analytic"] is None and res.get("comm_analytic") is not None:
         row["comm_mib_analytic"] = res["comm_analytic"] / MiB
+    for name, value in (res.get("errors") or {}).items():
+        row[f"err_{name}"] = value
     notes = [res["check"]] if res["check"] else []
     if not res["peak_reset"]:
         notes.append("high-water mark not reset")

@@ -89,6 +89,54 @@ def test_bench_attention_masked_smoke(tmp_path):
     assert [r[-3] for r in table_rows(old)[1:]] == ["causal", "causal"] and "masked rows" not in old
 
 
+@pytest.mark.timeout(300)
+def test_bench_attention_peers_smoke(tmp_path):
+    """--peers all at S=256, P=2: every peer has its row, timed with its errors against SDPA or with
+    the reason it cannot run (never a failed run); lucidrains' wrong dK/dV are flagged WRONG."""
+    import importlib.util
+
+    script = str(ROOT / "scripts" / "bench_attention.py")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_peers
+
+    csv_path = tmp_path / "peers.csv"
+    out = subprocess.run([sys.executable, script, "--smoke", "--world-sizes", "2", "--modes", "zigzag_ring_attn",
+                          "--peers", "all", "--csv", str(csv_path)], capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    main_table, summary = out.stdout.split("peers: errors against SDPA")
+    rows = {r[0]: r for r in table_rows(main_table)[1:]}
+    assert "zigzag_ring_attn" in rows and "Traceback" not in out.stderr
+    installed = {p: importlib.util.find_spec(m) is not None for p, (m, _) in bench_peers.PACKAGES.items()}
+    for peer in bench_peers.PEERS:
+        row = rows[peer]
+        assert row[1:3] == ["256", "2"] and row[-1], row
+        if not installed[peer.split("_", 1)[0]]:
+            assert row[3] == "" and row[-1].startswith("not installed"), row
+        elif row[3]:  # ran: timed, with all four errors
+            assert float(row[3]) > 0 and all(f"{k} " in row[-1] for k in ("out", "dq", "dk", "dv")), row
+        else:  # could not run: says why, in one line
+            assert "fails:" in row[-1] or "Error" in row[-1], row
+    if installed["ringmaster"]:
+        for peer in ("ringmaster_p2p", "ringmaster_zigzag_varlen", "ringmaster_distflash", "ringmaster_ulysses"):
+            assert rows[peer][3] and "WRONG" not in rows[peer][-1], rows[peer]
+        assert "requires the CUDA flash kernel" in rows["ringmaster_zigzag"][-1]
+    if installed["lucidrains"]:  # its ring backward hands back the wrong buffers as dK/dV (docs/benchmarks.md)
+        for peer in ("lucidrains_ring", "lucidrains_striped"):
+            assert "WRONG: dk err" in rows[peer][-1] and "dv err" in rows[peer][-1], rows[peer]
+
+    header, *peer_rows = table_rows(summary)
+    assert header[:4] == ["peer", "S", "P", "time (s)"] and header[5:10] == ["err out", "err dq", "err dk", "err dv",
+                                                                               "exact"]
+    assert [r[0] for r in peer_rows] == bench_peers.PEERS
+    for r in peer_rows:
+        if r[9] == "yes":  # an exact peer gets our fastest / lowest-peak mode's ratios
+            assert r[10].endswith("(zigzag_ring_attn)") and float(r[10].split()[0]) > 0, r
+    assert len(csv_path.read_text().splitlines()) == len(rows) + 1
+    again = subprocess.run([sys.executable, script, "--from-csv", str(csv_path)], capture_output=True, text=True,
+                           timeout=60, check=True).stdout
+    assert "peers: errors against SDPA" in again
+
+
 @pytest.mark.timeout(200)
 def test_bench_replica_check_smoke():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
