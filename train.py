@@ -150,7 +150,7 @@ class CausalLMLoss(torch.nn.Module):
         return chunked_cross_entropy_sum(hidden, logits_head(self.model), target_ids, self.loss_chunk_size)
 
 
-def load_model(args, dtype):
+def load_model(args, dtype, device):
     from transformers import AutoModelForCausalLM
 
     try:
@@ -164,7 +164,9 @@ def load_model(args, dtype):
     except (ValueError, OSError) as error:
         fail(f"--model {args.model or DEFAULT_MODEL}: {error}")
     if args.activation_checkpointing:
-        model.activation_checkpointing_enable(offload=args.offload_checkpoints)
+        # On a CPU device the checkpointed inputs already live in host memory, and transformers'
+        # offload pins its copies, which needs an accelerator: there the flag changes nothing.
+        model.activation_checkpointing_enable(offload=args.offload_checkpoints and device.type != "cpu")
     if args.tiled_mlp:
         tile_mlps(model, args.tiled_mlp)
     return model, tokenizer
@@ -359,7 +361,10 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
     # bf16 weights only where DeepSpeed keeps fp32 master weights; otherwise fp32 weights
     # (with --mixed_precision bf16, accelerate autocasts the compute).
     deepspeed_bf16 = deepspeed is not None and accelerator.mixed_precision == "bf16"
-    model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32)
+    model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32, accelerator.device)
+    if args.offload_checkpoints and accelerator.device.type == "cpu":
+        accelerator.print("--offload-checkpoints: the device is the CPU, so checkpointed layer inputs already live in host "
+                          "memory; nothing to offload")
     try:
         check_config(model.config, topology, args.seq_length, args.parallel_mode)
         check_training_config(model.config)
@@ -514,9 +519,11 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
     from accelerate.utils import gather_object
 
     peak_rss = gather_object([peak_rss_mib()])
+    device = accelerator.device
+    peak_gpu = gather_object([round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None])
     if accelerator.is_main_process:
         summary = {"steps": step, "final_loss": loss if math.isfinite(loss) else None, "skipped_steps": skipped,
-                   "peak_rss_mib_per_rank": peak_rss}
+                   "peak_rss_mib_per_rank": peak_rss, "peak_cuda_allocated_mib_per_rank": peak_gpu}
         (Path(args.output_dir) / "train_summary.json").write_text(json.dumps(summary, indent=1))
 
     # -------------------------------------------------------------------------- save

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import easy_context as ec
 from easy_context import kernels
 from easy_context.architectures import attn_implementation
+from easy_context.launch import exit_process, shutdown
 
 METRICS = ("logits", "loss", "grads")  # max |logits error|, |loss error|, max relative gradient error
 FP32_BOUNDS = (1e-4, 1e-5, 1e-4)
@@ -150,8 +151,8 @@ def main():
                       "torch": torch.__version__, "cuda_device": torch.cuda.get_device_name(device) if cuda else None}
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    shutdown()  # releases our groups and the process group (gloo can abort a bare teardown)
+    exit_process(0 if ok else 1)
 
 
 if __name__ == "__main__":
