@@ -484,8 +484,8 @@ def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads
     }
 
 
-def flags_of(row: dict) -> str:
-    """train.py / accelerate flags for a row."""
+def flags_of(row: dict, seq: int) -> str:
+    """train.py / accelerate flags for a row (`seq`: the sequence length planned for)."""
     parts = [f"--parallel_mode {row['mode']}"]
     if row["mode"] != "data_parallel" and row["dp_size"] > 1:
         parts.append(f"--sp-size {row['sp_size']}")
@@ -497,7 +497,8 @@ def flags_of(row: dict) -> str:
         parts.append("--offload-checkpoints")
     if row["tiled_mlp"]:
         parts.append(f"--tiled-mlp {row['tiled_mlp']}")
-    parts.append(f"--loss-chunk-size {row['loss_chunk_size'] or 'SEQ/sp (one chunk)'}")
+    # no chunking: one chunk as long as the rank's shard of the sequence
+    parts.append(f"--seq-length {seq} --loss-chunk-size {row['loss_chunk_size'] or seq // row['sp_size']}")
     config = {"none": "no DeepSpeed (DDP)",
               "zero3": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_optimizer and offload_param",
               "zero3-opt-offload": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_param",
@@ -595,7 +596,7 @@ def render(result: dict, rows: list) -> str:
         out.append(f"\nrecommended: {best['mode']}, sp_size {best['sp_size']}"
                    + (f", ring_degree {best['ring_degree']}" if best["mode"] == "usp_attn" else "")
                    + f": {best['peak_gib']:.2f} GiB/rank predicted, {best['tokens_per_s']:.0f} tokens/s predicted")
-        out.append("  " + flags_of(best))
+        out.append("  " + flags_of(best, result["seq_length"]))
         out.append(f"  memory at the peak ({best['peak_phase']}):")
         for k, v in best["terms_gib"].items():
             out.append(f"    {k}: {v:.2f} GiB")
