@@ -303,6 +303,9 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
              persistent_grads: bool = True) -> dict:
     """Per-rank peak memory (bytes) of one training step, with its terms, for options `o`."""
     a = 4 if dtype == "fp32" else 2
+    # the residual stream (layer inputs kept by checkpointing, hidden-state gradients): fp32
+    # where the weights are fp32 (DDP rows: bf16 autocast leaves it fp32), else the dtype
+    hb = 4 if o.zero in ("none", "noopt") else a
     s = seq // o.sp
     L, h = model.layers, model.hidden
     N, W = model.params, gpus
@@ -343,10 +346,10 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
     # --- per token, whole step (per local token)
     rope = 2 * model.head_dim * a
     ids = 3 * 8
-    hidden_grad = a * h
+    hidden_grad = hb * h
     final_norm = 4 * h + 2 * a * h
     if o.checkpointing:
-        saved_per_layer = 0 if o.offload_checkpoints else a * h
+        saved_per_layer = 0 if o.offload_checkpoints else hb * h
         saved_layers = L * saved_per_layer
     else:
         saved_layers = L * (act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]))
@@ -369,7 +372,7 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
     # its attention part with the mode's buffers.
     recompute = 0
     if o.checkpointing:
-        recompute = act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]) + (a * h if o.offload_checkpoints else 0)
+        recompute = act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]) + (hb * h if o.offload_checkpoints else 0)
     i = model.active_intermediate
     mlp_tmp = 6 * a * i * min(o.tiled_mlp, s) if tiled else 2 * a * i * s   # tile: recomputed + grads; whole: grads
     common = {
@@ -461,11 +464,12 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
 
 
 # ----------------------------------------------------------------------------- planner
-def candidate_options(model: ModelShape, layout, zero_choices, tile: int, chunk: int):
+def candidate_options(model: ModelShape, seq: int, layout, zero_choices, tile: int, chunk: int):
     mode, sp, ring = layout
+    local = seq // sp  # a tile or chunk at least this long changes nothing: not a separate row
     for ckpt, off in ((False, False), (True, False), (True, True)):
-        for t in (0, tile):
-            for c in (0, chunk):
+        for t in (0, tile) if tile < local else (0,):
+            for c in (0, chunk) if chunk < local else (0,):
                 for z in zero_choices:
                     yield Options(mode, sp, ring, ckpt, off, t, c, z)
 
@@ -526,6 +530,10 @@ def plan(model: ModelShape, seq: int, gpus: int, device: Device, dtype: Optional
     zero_choices = tuple(zero_choices or ZERO_CHOICES)
     tile = tile or default_tile(model)
     chunk = chunk or default_chunk(model)
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    wrong = [sp for sp in (sp_sizes or ()) if sp not in divisors]
+    if wrong:
+        raise PlanError(f"--sp-size {wrong[0]} does not divide --gpus {gpus}; choose from {divisors}")
     ok, refused = layouts(model, seq, gpus, sp_sizes, modes)
     if not ok:
         multiples = sorted({layout_multiple(m, s, r) for m, s, r, _ in refused})
@@ -534,7 +542,7 @@ def plan(model: ModelShape, seq: int, gpus: int, device: Device, dtype: Optional
         hint = f" Sequence lengths must divide by one of {multiples}." if multiples else ""
         raise PlanError(f"no mode runs {seq} tokens on {gpus} GPUs with these settings ({reasons}).{hint}")
     rows = [row_of(model, seq, gpus, o, device, dtype, margin)
-            for layout in ok for o in candidate_options(model, layout, zero_choices, tile, chunk)]
+            for layout in ok for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)]
     rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"] if r["fits"] else r["peak_gib"], complexity(r), r["peak_gib"]))
     best = None
     if rows[0]["fits"]:  # the fastest that fits; within 1% of it, the fewest options, then the least memory
@@ -551,8 +559,8 @@ def plan(model: ModelShape, seq: int, gpus: int, device: Device, dtype: Optional
 
 
 def smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk) -> dict:
-    """The least memory per GPU that would fit at this GPU count, and the fewest GPUs (powers of
-    two times the node size) that fit at this memory."""
+    """The least memory per GPU that would fit at this GPU count, and the fewest GPUs (doubling
+    --gpus, sequence parallelism over all of them) that fit at this memory."""
     need_gib = min(r["peak_gib"] for r in rows) / (1 - margin)
     more = None
     g = gpus
@@ -560,7 +568,7 @@ def smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes,
         g = g * 2
         ok, _ = layouts(model, seq, g, None, modes)
         fits = [row_of(model, seq, g, o, device, dtype, margin) for layout in ok if layout[1] == g
-                for o in candidate_options(model, layout, zero_choices, tile, chunk)]
+                for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)]
         if any(r["fits"] for r in fits):
             more = g
             break

@@ -606,28 +606,33 @@ def _reference(torch, F, spec, scale, inputs, dist, rank):
     if spec.get("ref_dir"):
         key = "_".join(str(spec[k]) for k in ("S", "B", "Hq", "Hkv", "D", "dtype", "mask", "seed"))
         path = os.path.join(spec["ref_dir"], key + ".pt")
-    if path is None or not os.path.exists(path):
-        if path is None or dist is None or rank == 0:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(CPU_CORES)  # the other ranks wait at the barrier below
-            gq, gk, gv, gdout = inputs
-            ref_q, ref_k, ref_v = (x.detach().clone().requires_grad_() for x in (gq, gk, gv))
-            gqa = spec["Hkv"] != spec["Hq"]
-            if spec["mask"] == CAUSAL:
-                ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:  # the dense boolean mask of the same rule, on the whole sequence
-                dense = dense_reference_mask(torch, spec["mask"], spec["S"], spec["seed"])
-                ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, attn_mask=dense, scale=scale, enable_gqa=gqa)
-            ref.backward(gdout)
-            torch.set_num_threads(threads)
-            result = (ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad)
-            if path is None:
-                return result
-            torch.save(result, path + ".tmp")
-            os.replace(path + ".tmp", path)
-        if dist is not None:
-            dist.barrier()
+    if path is None:  # no cache: every rank computes it
+        return _sdpa_reference(torch, F, spec, scale, inputs)
+    # Decided by rank 0 alone and always followed by a barrier on every rank: a rank that looked
+    # at the file on its own could skip the barrier its peers wait in.
+    if (dist is None or rank == 0) and not os.path.exists(path):
+        torch.save(_sdpa_reference(torch, F, spec, scale, inputs), path + ".tmp")
+        os.replace(path + ".tmp", path)
+    if dist is not None:
+        dist.barrier()
     return torch.load(path)
+
+
+def _sdpa_reference(torch, F, spec, scale, inputs):
+    """SDPA on the whole sequence with every core (the other ranks wait): (out, dq, dk, dv)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPU_CORES)
+    gq, gk, gv, gdout = inputs
+    ref_q, ref_k, ref_v = (x.detach().clone().requires_grad_() for x in (gq, gk, gv))
+    gqa = spec["Hkv"] != spec["Hq"]
+    if spec["mask"] == CAUSAL:
+        ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:  # the dense boolean mask of the same rule, on the whole sequence
+        dense = dense_reference_mask(torch, spec["mask"], spec["S"], spec["seed"])
+        ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+    ref.backward(gdout)
+    torch.set_num_threads(threads)
+    return ref.detach(), ref_q.grad, ref_k.grad, ref_v.grad
 
 
 class PeerFailure(Exception):

@@ -8,8 +8,9 @@ Rows per sequence length (causal, B=1, --heads x --head-dim with --kv-heads KV h
                   flash kernel, falling back to torch's choice where flash cannot run)
   kernel:<name>   easy_context.kernels.attention_forward + attention_backward with that
                   backend: the two calls every mode is built from
-  <mode> P=1      the mode's attention function on one rank (what a model layer calls),
-                  autograd backward: the kernel plus the ring/Ulysses bookkeeping
+  <mode> P=1      zigzag_ring_attn's and dist_flash_attn's attention function on one rank
+                  (what a model layer calls), autograd backward: the kernel plus the ring's
+                  bookkeeping (ulysses_attn and usp_attn run zigzag's path on one rank)
   flash_attn      flash_attn.flash_attn_func, if installed
   ring_flash_attn zhuzilin's zigzag_ring_flash_attn_func on a one-rank group, if installed
 Columns: median ms of --iters fwd+bwd steps after 2 warm-ups, TFLOP/s (causal fwd+bwd counted
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from easy_context import kernels  # noqa: E402
-from easy_context.modes import BUILT_MODES, get_mode  # noqa: E402
+from easy_context.modes import get_mode  # noqa: E402
 from easy_context.process_groups import get_groups  # noqa: E402
 
 MATH_MAX_CUDA = 16384  # the math backend is the fallback, not a contender: timed up to here
@@ -45,9 +46,12 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _flash_sdpa(device):
-    """SDPA restricted to the flash kernel on CUDA (torch's choice where it is not built)."""
-    if device.type != "cuda" or not torch.backends.cuda.is_flash_attention_available():
+def _flash_sdpa(q):
+    """SDPA restricted to the flash kernel on CUDA where flash can run it (half types, head dim
+    <= 256 and a multiple of 8, a build with flash); torch's own choice elsewhere."""
+    flash_ok = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+                and torch.backends.cuda.is_flash_attention_available())
+    if not flash_ok:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -64,7 +68,7 @@ def candidates(q, k, v, scale, device):
 
     def sdpa():
         a, b, c = leaf(q, k, v)
-        with _flash_sdpa(device):
+        with _flash_sdpa(q):
             out = F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=scale, enable_gqa=hq != hkv)
             out.backward(dout)
         return out
@@ -83,10 +87,10 @@ def candidates(q, k, v, scale, device):
             return out
 
         steps[f"kernel:{name}"] = kernel
-    for mode_name in BUILT_MODES:
+    # On one rank ulysses_attn and usp_attn hand over to zigzag's path (no all-to-all without
+    # peers), so only the two modes whose one-rank paths differ get rows.
+    for mode_name in ("zigzag_ring_attn", "dist_flash_attn"):
         mode = get_mode(mode_name)
-        if mode.attention is None:
-            continue
         groups = get_groups(mode.topology(1))
 
         def mode_step(mode=mode, groups=groups):

@@ -319,9 +319,10 @@ def summary(rows, dtype):
         t_ratio = m_ratio = ""
         if exact and mine:
             fast = min(mine, key=lambda x: x["time_s"])
-            low = min(mine, key=lambda x: x["peak_mib_max"])
+            measured = [x for x in mine if x["peak_mib_max"] is not None]  # merged CSVs can lack a peak
+            low = min(measured, key=lambda x: x["peak_mib_max"]) if measured else None
             t_ratio = f"{fast['time_s'] / r['time_s']:.2f} ({fast['config']})"
-            if r["peak_mib_max"] and r["peak_mib_max"] > 0:
+            if low and r["peak_mib_max"] and r["peak_mib_max"] > 0:
                 m_ratio = f"{low['peak_mib_max'] / r['peak_mib_max']:.2f} ({low['config']})"
         note = r["notes"] if not ran else "; ".join(n for n in r["notes"].split("; ") if not n.startswith(("err ", "max err")))
         if r["config"] == "ringmaster_usp" and _usp_degrees(r["P"])[1] == 1:

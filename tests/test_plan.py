@@ -90,7 +90,7 @@ def test_monotonic(name):
     for gpus in (1, 2, 8):
         ok, _ = P.layouts(model, 65536, gpus)
         for layout in ok:
-            for o in P.candidate_options(model, layout, P.ZERO_CHOICES, tile, chunk):
+            for o in P.candidate_options(model, 65536, layout, P.ZERO_CHOICES, tile, chunk):
                 peak = P.estimate(model, 65536, gpus, o, device)["peak_bytes"]
                 for step in OPTION_STEPS:  # one more memory option never raises the peak
                     assert P.estimate(model, 65536, gpus, step(o, tile, chunk), device)["peak_bytes"] <= peak + 1, (o, step)
