@@ -44,6 +44,7 @@ from easy_context.models import check_config, load_config, load_pretrained
 from easy_context.api import SPLIT_MODES
 from easy_context.modes import get_mode
 from easy_context.tiled_mlp import tile_mlps
+from easy_context.versions import enable_activation_checkpointing
 
 DEFAULT_MODEL = Path(__file__).parent / "configs" / "tiny-llama"
 DEFAULT_RETRIEVAL_FRACTION = 0.5  # the embedded corpus: half the rows teach retrieval (README numbers)
@@ -166,7 +167,10 @@ def load_model(args, dtype, device):
     if args.activation_checkpointing:
         # On a CPU device the checkpointed inputs already live in host memory, and transformers'
         # offload pins its copies, which needs an accelerator: there the flag changes nothing.
-        model.activation_checkpointing_enable(offload=args.offload_checkpoints and device.type != "cpu")
+        try:
+            enable_activation_checkpointing(model, offload=args.offload_checkpoints and device.type != "cpu")
+        except ValueError as error:
+            fail(f"--offload-checkpoints: {error}")
     if args.tiled_mlp:
         tile_mlps(model, args.tiled_mlp)
     return model, tokenizer

@@ -39,7 +39,11 @@ Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
     models.py, data.py, loss.py, tiled_mlp.py, plots.py
 """
 
-from .api import (
+from .versions import check_supported
+
+check_supported("torch", "transformers")  # one clear message, before a missing name fails an import below
+
+from .api import (  # noqa: E402
     apply_seq_parallel_monkey_patch,
     gather_seq_parallel_outputs,
     prepare_dataloader,

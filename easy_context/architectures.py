@@ -133,10 +133,16 @@ def check_training_config(config) -> None:
 def attn_implementation(config) -> str:
     """'sdpa' where the model's class supports it, else 'eager' (Gemma 2 and gpt-oss: SDPA has
     no softcapping or sinks). Under the patch both run our attention; this is what an
-    unpatched model (data_parallel, the single-process reference) needs to be exact."""
+    unpatched model (data_parallel, the single-process reference) needs to be exact.
+
+    Softcapped attention is always 'eager': transformers before 5.2x lets Gemma 2 run SDPA,
+    which drops the softcap without a word."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "attn_logit_softcapping", None):
+        return "eager"
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"

@@ -40,6 +40,7 @@ from .kernels import accumulation_dtype, attention_forward
 from .modes import get_mode
 from .process_groups import get_groups
 from .ring import fold_sinks, merge_block
+from .versions import cache_keyword
 
 __all__ = ["generate", "ShardedKVCache", "kv_bytes"]
 
@@ -325,7 +326,8 @@ def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional
     with hf.decoding_with(cache):
         # cache_implementation=None: a model's generation config may name one (Gemma 2: "hybrid"),
         # which transformers refuses next to a cache it is given; ours replaces it.
-        output = model.generate(input_ids, attention_mask=attention_mask, cache=cache, cache_implementation=None, **kwargs)
+        output = model.generate(input_ids, attention_mask=attention_mask, cache_implementation=None,
+                                **{cache_keyword(model): cache}, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     _check_same_everywhere(groups.sp, sequences, None, False, what="generated tokens")
     return output
@@ -434,5 +436,5 @@ def _prefill(mode: str, model, cache: ShardedKVCache, input_ids, attention_mask,
     cache.start_prefill(index, mask[:, columns].bool(), length)
     model(
         input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
-        attention_mask=local["local_attention_mask"], cache=cache, use_cache=True, logits_to_keep=1,
+        attention_mask=local["local_attention_mask"], use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache},
     )

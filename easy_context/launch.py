@@ -67,6 +67,9 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
     we only ask for a gloo process group. `dist_timeout` (seconds) bounds every collective,
     ours included (our groups inherit it: process_groups.world_timeout).
     """
+    from .versions import check_supported
+
+    check_supported("accelerate")
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 

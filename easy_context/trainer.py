@@ -36,6 +36,7 @@ from .architectures import check_training_config
 from .api import _all_gather, _options, _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
 from .modes import get_mode
 from .process_groups import get_groups
+from .versions import check_supported
 
 __all__ = ["prepare_trainer"]
 
@@ -53,6 +54,7 @@ def prepare_trainer(mode: str, trainer, **options):
     Applies the monkey patch for the trainer's model type (if not applied yet) with
     `options` (sp_size, ring_degree, document_split) and returns the same trainer.
     """
+    check_supported("accelerate")
     resolved = get_mode(mode)
     if isinstance(trainer, SeqParallelTrainerMixin):
         raise ValueError("prepare_trainer was already called on this trainer")

@@ -130,6 +130,7 @@ def _worker(rank, world, spec, workdir):
 
     import easy_context as ec
     from easy_context import generation
+    from easy_context.versions import output_cache
 
     model = _model(spec["vocab"])
     prompt = torch.randint(0, spec["vocab"], (1, spec["seq"]), generator=torch.Generator().manual_seed(1))
@@ -163,7 +164,7 @@ def _worker(rank, world, spec, workdir):
     steps = len(clock.times) - 1  # decoding steps through the cache (ours: the first one included)
     if mode is None:
         steps -= 1  # the baseline's counters start at its first new token
-    result = [clock.times[1] - start, statistics.median(gaps), generation.kv_bytes(output.cache), peak,
+    result = [clock.times[1] - start, statistics.median(gaps), generation.kv_bytes(output_cache(output)), peak,
               attn.seconds / steps, gather.seconds / steps if mode is not None else float("nan"),
               cache_update.seconds / steps, gather_us]
     with open(f"{workdir}/result{rank}", "w") as f:

@@ -51,13 +51,14 @@ def _model(vocab: int, checkpointing: bool, tile: int):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from easy_context.tiled_mlp import tile_mlps
+    from easy_context.versions import enable_activation_checkpointing
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if checkpointing:
-        model.activation_checkpointing_enable()
+        enable_activation_checkpointing(model)
     if tile:
         tile_mlps(model, tile)
     return model

@@ -28,6 +28,7 @@ from easy_context.evaluation import load_scorer, resolve_model
 from easy_context.generation import kv_bytes
 from easy_context.launch import Stage, add_dist_timeout_flag, run_job, run_main
 from easy_context.launch import fail as launch_fail
+from easy_context.versions import output_cache
 
 
 def fail(message: str):
@@ -127,7 +128,7 @@ def run(args, accelerator, stage: Stage):
         first, rest = timer.times[1] - start, timer.times[-1] - timer.times[1]  # times[0]: the prompt
         print(f"\n[{ids.shape[1]} prompt tokens, {args.parallel_mode} over {accelerator.num_processes} process(es): first "
               f"token after {first:.2f} s (prefill), then {new - 1} tokens in {rest:.2f} s ({(new - 1) / max(rest, 1e-9):.1f} "
-              f"tokens/s); K/V cache on this rank {kv_bytes(output.cache) / 2**20:.1f} MiB]", file=sys.stderr)
+              f"tokens/s); K/V cache on this rank {kv_bytes(output_cache(output)) / 2**20:.1f} MiB]", file=sys.stderr)
     ec.remove_seq_parallel_monkey_patch()
     return output.sequences
 

@@ -311,10 +311,10 @@ def test_a_mask_we_cannot_describe_is_refused_not_replaced():
                                              (create_sliding_window_causal_mask, positions, None),
                                              (create_causal_mask, packed, None),
                                              (create_sliding_window_causal_mask, positions, torch.ones(1, 16, dtype=torch.long))):
-            mask = build(config=config, inputs_embeds=embeds, attention_mask=padding, cache=None, position_ids=position_ids)
+            mask = build(config, embeds, padding, None, position_ids=position_ids)  # None: no cache (its keyword was renamed in 5.x)
             assert isinstance(mask, hf.ShardedMask)
         with pytest.raises(ValueError, match=r"attention mask with \[.*blockwise_overlay.*\(for example bidirectional"):
-            create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions,
+            create_causal_mask(config, embeds, None, None, position_ids=positions,
                                or_mask_function=blockwise_overlay(torch.zeros(1, 16, dtype=torch.long)),
                                and_mask_function=sliding_window_overlay(8))
     finally:

@@ -143,10 +143,11 @@ def test_bad_data_is_refused_naming_the_column_or_row(tmp_path):
     ]):
         with pytest.raises(ValueError, match=re.escape(message)):
             open_rows(write_jsonl(tmp_path / f"null{i}.jsonl", rows), 33, tokenizer)
-    # streams: the column type up front where the stream declares it, each row when it is read
+    # streams: the column type up front where the stream declares it (datasets >= 5 does for
+    # JSON), else at the first row read
     path = write_jsonl(tmp_path / "float-stream.jsonl", [{"input_ids": [0.5] * 40}])
     with pytest.raises(ValueError, match=re.escape("column 'input_ids' holds List(Value('float64')), not lists of token ids")):
-        open_rows(path, 33, tokenizer, streaming=True)
+        open_rows(path, 33, tokenizer, streaming=True).read(0, 1)
     path = write_jsonl(tmp_path / "null-stream.jsonl", [{"input_ids": list(range(40))}, {"input_ids": None}])
     with pytest.raises(ValueError, match="streamed row 1 of column 'input_ids' is not a list of token ids"):
         open_rows(path, 33, tokenizer, streaming=True).read(0, 2)

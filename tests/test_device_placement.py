@@ -35,6 +35,7 @@ from easy_context import (
     remove_seq_parallel_monkey_patch,
 )
 from easy_context.loss import global_token_mean
+from easy_context.versions import enable_activation_checkpointing
 from tiny_models import tiny_batch, tiny_model
 
 SEQ = 128
@@ -165,7 +166,7 @@ def placement_worker(rank, world_size, runs):
         apply_seq_parallel_monkey_patch(mode, model_type, **options)
         model = tiny_model(model_type)
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         model.train()
         input_ids, target_ids = tiny_batch(1, SEQ)
         local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu", **options)

@@ -16,6 +16,7 @@ from easy_context.dist_flash_attn import REMAT_CACHE, dist_flash_attention
 from easy_context.dist_flash_attn.schedule import balanced_schedule, products_per_rank
 from easy_context.hf import active_patch
 from easy_context.kernels import FORWARD_CALLS
+from easy_context.versions import enable_activation_checkpointing
 from test_models import errors, reference
 from tiny_models import tiny_batch, tiny_model
 
@@ -57,7 +58,7 @@ def _checkpointed_worker(rank, world_size, use_reentrant):
     for mode in ("dist_flash_attn", "zigzag_ring_attn"):
         apply_seq_parallel_monkey_patch(mode, "llama")
         model = tiny_model("llama").train()
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        enable_activation_checkpointing(model, use_reentrant=use_reentrant)
         input_ids, target_ids = tiny_batch(2, 120)
         local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
         FORWARD_CALLS.reset()
@@ -111,7 +112,7 @@ def _nondeterministic_recompute_worker(rank, world_size):
     try:
         apply_seq_parallel_monkey_patch("dist_flash_attn", "llama")
         model = tiny_model("llama").train()
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         input_ids, target_ids = tiny_batch(2, 120)
         local = prepare_seq_parallel_inputs("dist_flash_attn", input_ids, None, target_ids, rank, world_size, "cpu")
         logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]).logits

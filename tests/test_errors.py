@@ -10,6 +10,7 @@ from easy_context import (
     remove_seq_parallel_monkey_patch,
 )
 from tiny_models import tiny_batch, tiny_model
+from easy_context.versions import cache_keyword, output_cache
 
 MODE = "zigzag_ring_attn"
 
@@ -72,9 +73,9 @@ def test_kv_cache_decoding_is_refused(patched):
     model = tiny_model("llama")
     ids, _ = tiny_batch(1, 32)
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).cache
+        cache = output_cache(model(input_ids=ids, use_cache=True))
         with pytest.raises(ValueError, match="use_cache=False"):
-            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+            model(input_ids=ids[:, -1:], use_cache=True, **{cache_keyword(model): cache})
 
 
 def _error_of(fn):

@@ -88,6 +88,18 @@ def _list_lengths(dataset, column: str) -> np.ndarray:
     return lengths.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+def _feature_name(feature) -> str:
+    """A column type as datasets >= 4 prints it (Value('int64'), List(Value('float64'))), whatever
+    the installed datasets prints (3.x: Value(dtype='int64', id=None), Sequence(feature=...))."""
+    inner = getattr(feature, "feature", None)
+    if inner is not None:
+        return f"List({_feature_name(inner)})"
+    if isinstance(feature, list) and len(feature) == 1:
+        return f"List({_feature_name(feature[0])})"
+    dtype = getattr(feature, "dtype", None)
+    return f"Value({dtype!r})" if type(feature).__name__ == "Value" and dtype else str(feature)
+
+
 def _check_token_column_type(dataset, column: str, name: str) -> None:
     import datasets
 
@@ -95,7 +107,7 @@ def _check_token_column_type(dataset, column: str, name: str) -> None:
     feature = dataset.features.get(column)
     inner = getattr(feature, "feature", None)
     if not isinstance(feature, list_types) or not (isinstance(inner, datasets.Value) and inner.dtype.startswith(("int", "uint"))):
-        raise ValueError(f"dataset {name!r}: column {column!r} holds {feature}, not lists of token ids")
+        raise ValueError(f"dataset {name!r}: column {column!r} holds {_feature_name(feature)}, not lists of token ids")
 
 
 def _check_token_column(dataset, column: str, name: str) -> None:
@@ -254,7 +266,7 @@ def tokenize_documents(dataset, tokenizer, text_column: str, name: str):
                          "or a dataset with an input_ids column")
     feature = dataset.features[text_column] if dataset.features else None
     if feature is not None and not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise ValueError(f"dataset {name!r}: column {text_column!r} holds {feature}, not text")
+        raise ValueError(f"dataset {name!r}: column {text_column!r} holds {_feature_name(feature)}, not text")
 
     def tokenize(batch, indices):
         texts = batch[text_column]

@@ -1,0 +1,165 @@
+"""Test tiers and per-test hygiene, in one place.
+
+Tiers:
+    python -m pytest                  everything (the README's and CI's command)
+    python -m pytest -m "not slow"    the fast tier: one process, no scripts (minutes)
+
+A test is slow when it starts processes: spawned gloo ranks (tests/distributed.py), torchrun,
+or a script in a subprocess. `SLOW` below lists them; nothing else marks tests. A test that is
+not listed and starts a process fails at once with a message naming this file, so the list
+stays true as tests are added.
+
+Hygiene: every test starts with the process state the library reads at call time (the
+EASY_CONTEXT_* environment, torch's thread count, default dtype and fp32 matmul precision)
+and must leave it as it found it; a test that changes one of them and leaves it changed fails,
+naming it, instead of making some later test's numbers depend on the order tests ran in.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import subprocess
+
+import pytest
+import torch
+
+ALL = "*"
+# module -> ALL, or the names of its tests (parametrizations included) that start processes
+SLOW = {
+    "test_api": {
+        "test_import_needs_only_torch_and_transformers",
+    },
+    "test_architectures": {
+        "test_eval_needle_runs_gpt_oss_exactly",
+        "test_eval_ppl_runs_gemma2_exactly",
+        "test_every_architecture_in_bf16_is_within_the_unpatched_models_own_error",
+        "test_every_architecture_matches_single_process",
+        "test_train_py_trains_any_supported_type_like_data_parallel",
+        "test_usp_at_four_ranks_splits_sinks_softcap_and_mla_over_ulysses_and_ring",
+    },
+    "test_attention_functions": ALL,
+    "test_bad_inputs": {
+        "test_a_bad_replica_check_setting_is_refused_at_the_first_forward",
+        "test_eval_scripts_refuse_impossible_layouts",
+        "test_train_refuses_bad_runs_with_one_line",
+    },
+    "test_deepspeed": ALL,
+    "test_device_placement": {
+        "test_every_collective_gets_tensors_made_on_the_data_device",
+    },
+    "test_dist_flash_attn": {
+        "test_checkpointed_backward_does_not_recompute_forward_attention",
+        "test_measured_work_is_balanced_at_four_ranks",
+        "test_recompute_that_differs_on_one_rank_does_not_hang",
+    },
+    "test_errors": {
+        "test_forgotten_positions_and_unsplittable_heads_are_refused_on_every_rank",
+    },
+    "test_eval": {
+        "test_eval_needle_parallel_equals_single_process_and_writes_the_grid",
+        "test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun",
+        "test_eval_ppl_parallel_equals_single_process",
+        "test_eval_scripts_refuse_bad_input_clearly",
+        "test_generate_script_parallel_equals_single_process",
+        "test_scorer_equals_single_process",
+    },
+    "test_generation": {
+        "test_attention_features_decode_exactly",
+        "test_bf16_generation_is_as_close_to_fp32_as_the_unpatched_bf16_model",
+        "test_cache_is_sharded_and_balanced",
+        "test_generate_refusals_are_clear",
+        "test_greedy_generation_matches_one_process",
+        "test_sampling_and_beams_match_one_process",
+        "test_sliding_window_layers_keep_only_the_window",
+    },
+    "test_gpu_check": {
+        "test_bench_kernels_rows",
+        "test_gpu_check_deadline_reports_what_did_not_run",
+        "test_gpu_check_dry_run",
+        "test_gpu_check_refuses_bad_arguments",
+    },
+    "test_masked_models": ALL,
+    "test_mixed_precision": ALL,
+    "test_models": ALL,
+    "test_plan": {
+        "test_bad_input_messages",
+        "test_cli_table_and_json_agree",
+        "test_local_config_dir_and_cpu_device",
+    },
+    "test_reliability": ALL,
+    "test_replicas": {
+        "test_guard_catches_different_initial_weights",
+        "test_guard_stops_training_without_gradient_sync",
+        "test_make_accelerator_gives_ddp_and_the_guard_stays_quiet",
+    },
+    "test_scripts_smoke": ALL,
+    "test_train": {
+        "test_a_text_dataset_trains_packed_and_resumes_exactly",
+        "test_bad_inputs_get_clear_messages",
+        "test_document_masking_trains_like_data_parallel",
+        "test_every_mode_and_the_memory_options_train_like_data_parallel",
+    },
+    "test_trainer": {
+        "test_sft_trainer",
+        "test_sft_trainer_bf16_close_to_single_process",
+        "test_trainer_left_padding_and_document_split",
+        "test_trainer_matches_single_process",
+        "test_trainer_misuse_on_two_ranks",
+        "test_trainer_resume_from_checkpoint",
+        "test_trainer_world_4",
+    },
+}
+
+
+def _is_slow(item) -> bool:
+    listed = SLOW.get(item.module.__name__.rpartition(".")[2])
+    return listed == ALL or (listed is not None and item.originalname in listed)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts processes (gloo ranks, torchrun, scripts); listed in conftest.SLOW")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
+class _StartsProcessError(AssertionError):
+    pass
+
+
+def _refuse(*args, **kwargs):
+    raise _StartsProcessError(
+        "this test starts a process but is not listed as slow: add it to SLOW in tests/conftest.py "
+        "(the fast tier, pytest -m 'not slow', runs in one process)"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _single_process_unless_slow(request, monkeypatch):
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)
+        monkeypatch.setattr(subprocess.Popen, "__init__", _refuse)
+    yield
+
+
+def _process_state() -> dict:
+    return {
+        "EASY_CONTEXT_* environment": {k: v for k, v in os.environ.items() if k.startswith("EASY_CONTEXT_")},
+        "torch.get_num_threads()": torch.get_num_threads(),
+        "torch.get_default_dtype()": torch.get_default_dtype(),
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _process_state_is_left_as_found():
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = {name: (before[name], after[name]) for name in before if before[name] != after[name]}
+    assert not changed, f"the test left process state changed (before, after): {changed}"
