@@ -8,12 +8,19 @@ a node) and ring groups are strided ranks. Groups are created once per topology 
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import gc
+import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "SeqParallelGroups", "get_groups", "release_groups", "world_timeout", "divisors"]
+__all__ = [
+    "Topology", "SeqParallelGroups", "get_groups", "release_groups", "world_timeout", "divisors", "register_exit_teardown",
+]
 
 
 def divisors(n: int) -> list[int]:
@@ -108,6 +115,7 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
         raise ValueError(f"world size is {dist.get_world_size()}, not {topology.world_size}")
     key = (topology, id(dist.group.WORLD))
     if key not in _cache:
+        register_exit_teardown()
         rank, world = dist.get_rank(), topology.world_size
         sp, u, r = topology.sp_size, topology.ulysses_degree, topology.ring_degree
         sp_lists = [list(range(g * sp, (g + 1) * sp)) for g in range(world // sp)]
@@ -133,3 +141,56 @@ def release_groups() -> None:
     """Forget the cached group handles, so that destroy_process_group() really frees them
     before the interpreter exits (a gloo group still referenced then can abort the process)."""
     _cache.clear()
+
+
+# ------------------------------------------------------------------------ exit teardown
+# A script that ends without tearing distributed state down (a plain Trainer script, a custom
+# loop) leaves gloo and c10d threads alive into the interpreter's teardown, and the C++
+# destructors that run after it can abort a finished run ("terminate called without an active
+# exception", about 1 run in 24 on gloo): torchrun then reports a failure. So, once the patch
+# is applied (or prepare_trainer called) in a distributed process, we tear down at exit
+# ourselves, in two steps:
+#   1. a Python exit handler: forget our group handles and destroy the process groups while the
+#      interpreter is whole (what launch.shutdown does for our own scripts);
+#   2. after Python has finished (its own exit handlers, module teardown, flushed streams),
+#      glibc's on_exit calls _exit(status) with the process's own exit status, so the C++
+#      static destructors that race those threads never run. The status is the one exit()
+#      was given: 0, sys.exit's code, 1 after an unhandled exception. It is registered from
+#      step 1, at exit: C exit handlers run last-registered first, and the function-local
+#      statics that gloo and c10d create during training register their destructors when
+#      first used, so a registration made any earlier would run after them.
+# EASY_CONTEXT_EXIT_TEARDOWN=0 turns both off.
+_teardown_registered = False
+
+
+def register_exit_teardown() -> None:
+    """Register the exit teardown above, once per process, if torch.distributed is initialised."""
+    global _teardown_registered
+    if _teardown_registered or os.environ.get("EASY_CONTEXT_EXIT_TEARDOWN", "1") == "0":
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _teardown_registered = True
+    atexit.register(_teardown)
+
+
+def _teardown() -> None:
+    release_groups()
+    gc.collect()  # autograd graphs and modules that still hold a group
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # a peer already gone: nothing left to release in order
+            print(f"easy_context: destroy_process_group at exit failed ({error})", file=sys.stderr)
+    _skip_cxx_static_destructors_at_exit()
+
+
+def _skip_cxx_static_destructors_at_exit() -> None:
+    try:
+        libc = ctypes.CDLL(None)
+        on_exit, exit_now = libc.on_exit, libc._exit  # glibc; elsewhere only step 1 runs
+    except (AttributeError, OSError):
+        return
+    # on_exit calls function(status, arg); _exit reads only the status
+    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    on_exit(ctypes.cast(exit_now, ctypes.c_void_p), None)

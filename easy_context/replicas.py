@@ -6,10 +6,13 @@ that never synchronises them (for example accelerate's Accelerator with only a g
 group under torchrun on CPU: DistributedType.NO, no DDP) does not crash. Every rank steps
 on its own shard's gradient and the replicas drift apart, so the results are silently wrong.
 
-The check: at a patched forward, each rank sums a fixed sample of the attention module's
-weights (the first SAMPLE values of each parameter, in float64). One all-gather of two
-numbers over the SP group compares the sums, and every rank raises the same error if they
-differ. It runs at forwards 1, 2, 4, 8, ... and every CHECK_EVERY-th forward (the first
+The check: at a patched forward, each rank sums the bit patterns of a fixed sample of the
+attention module's weights (the first SAMPLE values of each parameter, read as integers).
+Integer sums are exact and independent of the order of the reduction, so replicas that hold
+the same weights give the same sum bit for bit, and one weight that differs by one rounding
+step (a relative 1e-7 in fp32; fine-tuning at lr 1e-5 drifts far more in one step) changes
+it. One all-gather of one number per rank compares the sums, and every rank raises the same
+error if they differ. It runs at forwards 1, 2, 4, 8, ... and every CHECK_EVERY-th forward (the first
 check also catches unseeded, different initial weights). That is one small collective
 every CHECK_EVERY forwards: 0.1-0.3% of a step (see scripts/bench_replica_check.py).
 Parameters sharded across ranks (ZeRO-3, DTensor) are skipped: each rank holds a
@@ -58,13 +61,18 @@ def _replicated(param: torch.Tensor) -> bool:
     return type(param).__name__ != "DTensor"
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> same-width integer
+
+
 def checksum(module: torch.nn.Module, device) -> torch.Tensor:
-    """(sum, sum of absolute values) of a fixed sample of the module's replicated weights."""
-    sample = [p.detach().reshape(-1)[:SAMPLE].double() for p in module.parameters() if _replicated(p)]
-    if not sample:
-        return torch.zeros(2, dtype=torch.float64, device=device)
-    values = torch.cat([s.to(device) for s in sample])
-    return torch.stack([values.sum(), values.abs().sum()])
+    """(1,) int64: the sum of the bit patterns of a fixed sample of the module's replicated
+    weights (wrapping on overflow: any equal inputs give an equal sum)."""
+    total = torch.zeros(1, dtype=torch.int64, device=device)
+    for p in module.parameters():
+        if _replicated(p) and p.dtype.is_floating_point:
+            sample = p.detach().reshape(-1)[:SAMPLE].contiguous()
+            total += sample.view(_BITS[sample.element_size()]).to(device=device, dtype=torch.int64).sum()
+    return total
 
 
 def check_replicas(module: torch.nn.Module, group, sp_rank: int, device) -> None:
@@ -76,13 +84,11 @@ def check_replicas(module: torch.nn.Module, group, sp_rank: int, device) -> None
     local = checksum(module, device)
     sums = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sums, local, group=group)
-    sums = torch.stack(sums).cpu()
-    tolerance = 1e-9 * float(sums[:, 1].max()) + 1e-12  # identical replicas agree to rounding at most
-    spread = float(sums[:, 0].max() - sums[:, 0].min())
-    if spread > tolerance:
+    sums = torch.cat(sums).tolist()
+    if len(set(sums)) > 1:
         raise ReplicaDriftError(
             f"the ranks of this sequence-parallel group hold different weights (checksums of "
-            f"{type(module).__name__}'s weights by SP rank: {[f'{s:.9g}' for s in sums[:, 0].tolist()]}; "
+            f"{type(module).__name__}'s weights by SP rank: {sums}; "
             f"forward {_forwards}, this is SP rank {sp_rank}). Their gradients are not being averaged, "
             "so each rank trains on its own shard of the sequence and the results are wrong. "
             "Wrap the model in DistributedDataParallel or DeepSpeed. With accelerate on a machine "

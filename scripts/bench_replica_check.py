@@ -53,7 +53,7 @@ def main():
     model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    # one check on its own: checksum of the first attention module + one all-gather of 2 numbers
+    # one check on its own: checksum of the first attention module + one all-gather of 1 number
     attention = model.module.model.layers[0].self_attn
     group = ec.hf.active_patch().groups().sp
     dist.barrier()
@@ -73,7 +73,7 @@ def main():
         rows.append((seq, timing))
     replicas.CHECK_EVERY = every = default
     if rank == 0:
-        print(f"one check (checksum + all-gather of 2 float64 over {world} gloo ranks): {check_ms:.3f} ms\n")
+        print(f"one check (checksum + all-gather of 1 int64 over {world} gloo ranks): {check_ms:.3f} ms\n")
         print(f"| seq len | step, guard off (s) | step, every forward (s) | one check / step | overhead at every {every} forwards |")
         print("|---|---|---|---|---|")
         for seq, timing in rows:

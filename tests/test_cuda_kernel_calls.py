@@ -201,7 +201,9 @@ def stand_in_efficient_op():
     lib._destroy()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+# The stand-in computes in float64 and rounds, so fp32 errors are rounding only (measured: out
+# 1.2e-7, lse 2.4e-7, grads 2.2e-7 of their scale) and its fp32 lse is that whatever the dtype.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("hq,hkv,sq,sk", [(4, 4, 40, 40), (4, 2, 24, 56), (4, 1, 72, 40)])
 @pytest.mark.parametrize("kind", [None, "causal", "random", "block_diagonal", "key_padding"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -220,7 +222,7 @@ def test_cuda_efficient_logic_against_a_stand_in_kernel(
     ref_out, ref_lse = reference(qr, kr, vr, causal, 0.3, mask)
     ref_out.backward(dout.double())
     assert_close(out, ref_out, tol)
-    assert_close(lse, ref_lse, tol)
+    assert_close(lse, ref_lse, 2e-6)
     assert dk.shape == k.shape and dv.shape == v.shape
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert_close(got, want, tol * max(1.0, want.abs().max().item()))
@@ -331,7 +333,7 @@ def check_flash_attn_backend(module, backward, dtype=torch.float32, hq=4, hkv=2,
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
     ref_out, _ = reference(qr, kr, vr, causal, 0.3)
     ref_out.backward(dout.double())
-    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    tol = 1e-6 if dtype == torch.float32 else 3e-2  # the fakes compute in float64: fp32 measured 4.6e-8
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert got.shape == want.shape
         assert (got.double() - want).abs().max() <= tol * max(1.0, want.abs().max().item())

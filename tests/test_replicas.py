@@ -101,3 +101,50 @@ def _forward_by_rank(rank, world):
 def test_guard_schedule():
     due = [n for n in range(1, 70) if replicas._due(n)]
     assert due == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def _forward_then_nudge_one_weight(rank, world, relative):
+    """Two checked forwards (1 and 2); between them SP rank 1 changes one attention weight by
+    `relative` (at least one fp32 rounding step). Returns (error at forward 1, at forward 2)."""
+    model = tiny_model("llama", seed=0)
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", "llama")
+    input_ids, _ = tiny_batch(1, SEQ)
+    local = prepare_seq_parallel_inputs("zigzag_ring_attn", input_ids, None, None, rank, world, "cpu")
+    errors = []
+    try:
+        for forward in (1, 2):
+            if forward == 2 and rank == 1 and relative:
+                weight = model.model.layers[0].self_attn.q_proj.weight
+                with torch.no_grad():
+                    old = weight[0, 0].clone()
+                    new = (old.double() * (1 + relative)).float()
+                    weight[0, 0] = new if new != old else torch.nextafter(old, old * 2)
+                    assert weight[0, 0] != old
+            try:
+                model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"])
+                errors.append(None)
+            except replicas.ReplicaDriftError as caught:
+                errors.append(str(caught))
+    finally:
+        remove_seq_parallel_monkey_patch()
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_guard_sees_one_weight_off_by_one_rounding_step():
+    """Fine-tuning at lr 1e-5 moves weights by about 1e-5 relative per step; a guard that lets a
+    relative 1e-7 on one weight of one rank through would let unsynchronised fine-tuning through."""
+    assert run_ranks(_forward_then_nudge_one_weight, 2, 0.0, timeout=100) == [[None, None]] * 2
+    for errors in run_ranks(_forward_then_nudge_one_weight, 2, 1e-7, timeout=100):
+        assert errors[0] is None and errors[1] is not None and "forward 2" in errors[1], errors
+
+
+def test_checksum_is_exact_and_order_free():
+    model = tiny_model("llama", seed=0)
+    attention = model.model.layers[0].self_attn
+    before = replicas.checksum(attention, "cpu")
+    assert torch.equal(before, replicas.checksum(tiny_model("llama", seed=0).model.layers[0].self_attn, "cpu"))
+    with torch.no_grad():
+        weight = attention.o_proj.weight
+        weight[3, 5] = torch.nextafter(weight[3, 5], torch.tensor(1.0))  # one rounding step
+    assert not torch.equal(before, replicas.checksum(attention, "cpu"))
