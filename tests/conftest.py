@@ -9,10 +9,16 @@ or a script in a subprocess. `SLOW` below lists them; nothing else marks tests. 
 not listed and starts a process fails at once with a message naming this file, so the list
 stays true as tests are added.
 
-Hygiene: every test starts with the process state the library reads at call time (the
-EASY_CONTEXT_* environment, torch's thread count, default dtype and fp32 matmul precision)
-and must leave it as it found it; a test that changes one of them and leaves it changed fails,
-naming it, instead of making some later test's numbers depend on the order tests ran in.
+Hygiene:
+- Every test starts with the process state the library reads at call time (the EASY_CONTEXT_*
+  environment, torch's thread count, default dtype and fp32 matmul precision, grad mode) and
+  must leave it as it found it; a test that changes one of them fails, naming it (and the
+  state is restored), instead of making some later test's numbers depend on test order.
+- The code under test must not change during the session. Spawned ranks and scripts import
+  easy_context from disk when they start, while this process keeps what it imported at
+  collection: an edit, a checkout or a mutation tool writing a file mid-run would make a rank
+  run other code than its test and fail (or pass) with numbers that belong to neither, and
+  look like a flaky test. A test during which a source file changed fails, saying so.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +184,31 @@ def _process_state_is_left_as_found():
     if changed:
         _restore(before)  # the next test starts clean either way
         pytest.fail(f"the test left process state changed (before, after): {changed}")
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _source_files() -> dict:
+    """(modification time, size) of every Python file a test or one of its ranks may import or run."""
+    files = [*_ROOT.glob("*.py"), *(_ROOT / "easy_context").rglob("*.py"), *(_ROOT / "tests").rglob("*.py"),
+             *(_ROOT / "scripts").glob("*.py"), *(_ROOT / "examples").glob("*.py")]
+    return {str(f.relative_to(_ROOT)): (f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()}
+
+
+_SESSION_SOURCES = _source_files()
+
+
+@pytest.fixture(autouse=True)
+def _sources_unchanged(request):
+    """A slow test (it starts processes) needs the files as the session imported them; any test
+    needs them unchanged while it runs."""
+    slow = request.node.get_closest_marker("slow") is not None
+    before = _SESSION_SOURCES if slow else _source_files()
+    yield
+    now = _source_files()
+    changed = sorted(name for name in set(now) | set(before) if now.get(name) != before.get(name))
+    if changed:
+        pytest.fail(f"source files changed {'since the test session started' if slow else 'while this test ran'} "
+                    f"({changed[:5]}{' ...' if len(changed) > 5 else ''}): spawned ranks and scripts import them from "
+                    "disk, this process keeps what it imported, so the test compared mixed code; rerun the session")

@@ -92,7 +92,7 @@ def test_checkpointed_backward_does_not_recompute_forward_attention(use_reentran
         forward_calls, backward_calls, left_in_cache, loss, grads = per_mode["dist_flash_attn"]
         assert (forward_calls, backward_calls, left_in_cache) == (4, 0, 0)
         _, loss_err, grad_err = errors((torch.zeros(1), loss, grads), (torch.zeros(1), want_loss, want_grads))
-        assert loss_err <= 1e-5 and grad_err <= 1e-4
+        assert loss_err <= 1e-5 and grad_err <= 5e-6  # measured: loss 0, grads 5.5e-7
 
 
 def _nondeterministic_recompute_worker(rank, world_size):

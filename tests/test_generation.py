@@ -11,7 +11,7 @@ from easy_context import apply_seq_parallel_monkey_patch, generate, remove_seq_p
 from easy_context.generation import GROWTH, ShardedKVCache
 from tiny_models import VOCAB, tiny_model
 
-LOGITS_TOL = 1e-4  # test_models.py's fp32 forward bound; measured <= 3e-7 here
+LOGITS_TOL = 1e-4  # test_models.py's fp32 forward bound; measured: greedy 1.8e-7, gemma2 softcap 3.3e-6
 NEW_TOKENS = 40
 # Lengths that no layout of 2 or 4 ranks splits (1, 2, 37, 130), and one that all do (64).
 PROMPT_LENGTHS = (1, 2, 37, 64, 130)

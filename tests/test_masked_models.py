@@ -188,7 +188,7 @@ def test_packed_documents_equal_each_document_run_alone():
         with torch.no_grad():
             alone = model(input_ids=input_ids[:, start:start + length]).logits
         err = (logits[:, start:start + length] - alone).abs().max().item()
-        assert err <= 1e-4, (start, length, err)
+        assert err <= 2e-6, (start, length, err)  # measured 1.8e-7
         start += length
 
 
@@ -239,4 +239,5 @@ def test_document_split_layout_matches_single_process(mode, world_size, options)
         logits = logits.masked_fill(PADDING[..., None] == 0, 0.0)
         logits_err, loss_err, grad_err = errors((logits, loss, grads), want)
         print(f"{mode} P={world_size} document_split {name}: logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}")
-        assert logits_err <= 1e-4 and loss_err <= 1e-5 and grad_err <= 1e-4, (name, logits_err, loss_err, grad_err)
+        # measured: logits 2.4e-7, loss 9.5e-7, grads 9e-7
+        assert logits_err <= 3e-6 and loss_err <= 1e-5 and grad_err <= 1e-5, (name, logits_err, loss_err, grad_err)

@@ -114,7 +114,8 @@ def test_patched_models_match_single_process_fp32(mode, world_size, options):
             want = reference(case, dp_rank, seq=options.get("seq", SEQ))
             logits_err, loss_err, grad_err = errors(rank_result["results"][case], want)
             print(f"{mode} P={world_size} {options} dp{dp_rank} {case}: logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}")
-            assert logits_err <= 1e-4 and loss_err <= 1e-5 and grad_err <= 1e-4, (case, dp_rank)
+            # measured: logits 2.4e-7, loss 9.5e-7, grads 1.1e-6
+            assert logits_err <= 3e-6 and loss_err <= 1e-5 and grad_err <= 1e-4, (case, dp_rank)
     assert len(seen_dp_ranks) == world_size // options.get("sp_size", world_size)
 
 
