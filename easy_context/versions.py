@@ -24,17 +24,20 @@ __all__ = [
     "SUPPORTED",
     "UnsupportedVersionError",
     "check_supported",
+    "supported",
+    "requirement",
+    "floor_requirements",
     "enable_activation_checkpointing",
     "cache_keyword",
     "output_cache",
 ]
 
-# package -> (lowest supported release, first unsupported release); floors are the oldest
-# releases the tests pass on (torch 2.11 + transformers 5.17 + accelerate 1.15 is also the
-# stack of a typical CUDA image today).
+# package -> (lowest supported release, first unsupported release). CI runs the fast tier on
+# the floors, and scripts/gpu_check.sh on torch 2.11 + transformers 5.17 (what a typical CUDA
+# image ships today). Older releases are not promised (docs/compatibility.md says why).
 SUPPORTED = {
     "torch": ("2.11", None),
-    "transformers": ("5.17", "6"),
+    "transformers": ("5.9", "6"),
     "accelerate": ("1.10.1", "2"),  # the train / eval extras
     "datasets": ("5.0", None),  # the train / eval extras; 5.0 is the first whose JSON streams declare their types
 }
@@ -56,7 +59,7 @@ def _release(text: str) -> tuple[int, ...]:
 
 
 def requirement(package: str) -> str:
-    """The range of `package` as pyproject.toml writes it, e.g. 'transformers>=5.17,<6'."""
+    """The range of `package` as pyproject.toml writes it, e.g. 'transformers>=5.9,<6'."""
     floor, ceiling = SUPPORTED[package]
     return f"{package}>={floor}" + (f",<{ceiling}" if ceiling else "")
 
