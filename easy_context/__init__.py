@@ -31,6 +31,7 @@ Architecture (one file or folder per concern):
     api.py             the functions above
     trainer.py         prepare_trainer: data by SP group, sharded batches, exact loss for HF Trainer
     replicas.py        a guard: the ranks of an SP group must hold the same weights
+    versions.py        supported versions (pyproject's ranges) and the transformers APIs that changed
 Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
     evaluation.py      score whole sequences over an SP group (no grad, per-token results)
     needle.py          needle / passkey prompts for any tokenizer
