@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 import easy_context as ec
-from easy_context.data import embedded_prose
-from easy_context.evaluation import load_scorer, resolve_model
-from easy_context.launch import Stage, add_dist_timeout_flag, run_job, run_main
-from easy_context.launch import fail as launch_fail
+from easy_context.programs.data import embedded_prose
+from easy_context.programs.evaluation import load_scorer, resolve_model
+from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from easy_context.programs.launch import fail as launch_fail
 from easy_context.modes import get_mode
-from easy_context.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
-from easy_context.plots import needle_heatmap
+from easy_context.programs.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
+from easy_context.programs.plots import needle_heatmap
 
 
 def fail(message: str):
@@ -251,4 +251,4 @@ def print_table(title: str, accuracy: dict, lengths, depths, prompts: int) -> No
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
-from easy_context.data import load_any_dataset, stdlib_heldout_documents
-from easy_context.evaluation import load_scorer, resolve_model
-from easy_context.launch import Stage, add_dist_timeout_flag, run_job, run_main
-from easy_context.launch import fail as launch_fail
+from easy_context.programs.data import load_any_dataset, stdlib_heldout_documents
+from easy_context.programs.evaluation import load_scorer, resolve_model
+from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from easy_context.programs.launch import fail as launch_fail
 from easy_context.modes import get_mode
-from easy_context.plots import perplexity_curves
+from easy_context.programs.plots import perplexity_curves
 
 
 def fail(message: str):
@@ -242,4 +242,4 @@ def write_outputs(args, lengths, table) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)

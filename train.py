@@ -33,17 +33,17 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
-from easy_context.data import (BYTE_EOS_ID, StreamedRows, byte_tokenizer, document_positions, open_rows, stdlib_token_stream,
+from easy_context.programs.data import (BYTE_EOS_ID, StreamedRows, byte_tokenizer, document_positions, open_rows, stdlib_token_stream,
                                windows, with_retrieval_rows)
-from easy_context.launch import (EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage, add_dist_timeout_flag, injected_fault,
+from easy_context.programs.launch import (EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage, add_dist_timeout_flag, injected_fault,
                                  run_job, run_main)
-from easy_context.launch import fail as launch_fail
-from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
-from easy_context.architectures import check_training_config, logits_head
-from easy_context.models import check_config, load_config, load_pretrained
-from easy_context.api import SPLIT_MODES
+from easy_context.programs.launch import fail as launch_fail
+from easy_context.programs.loss import chunked_cross_entropy_sum, global_token_mean
+from easy_context.hf.architectures import check_training_config, logits_head
+from easy_context.programs.models import check_config, load_config, load_pretrained
+from easy_context.hf.api import SPLIT_MODES
 from easy_context.modes import get_mode
-from easy_context.tiled_mlp import tile_mlps
+from easy_context.programs.tiled_mlp import tile_mlps
 from easy_context.versions import enable_activation_checkpointing
 
 DEFAULT_MODEL = Path(__file__).parent / "configs" / "tiny-llama"
@@ -563,4 +563,4 @@ def stop_on_nonfinite_loss(accelerator, args, step: int, skipped: int, last_save
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)

@@ -40,21 +40,23 @@ Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
     models.py, data.py, loss.py, tiled_mlp.py, plots.py
 """
 
-from .versions import check_supported
+from easy_context import old_paths
+from easy_context.versions import check_supported
 
+old_paths.install()
 check_supported("torch", "transformers")  # one clear message, before a missing name fails an import below
 
-from .api import (  # noqa: E402
+from easy_context.hf.api import (  # noqa: E402
     apply_seq_parallel_monkey_patch,
     gather_seq_parallel_outputs,
     prepare_dataloader,
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from .architectures import SUPPORTED_MODEL_TYPES
-from .generation import generate
-from .trainer import prepare_trainer
-from .modes import BUILT_MODES, MODE_NAMES
+from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES
+from easy_context.hf.generation import generate
+from easy_context.hf.trainer import prepare_trainer
+from easy_context.modes import BUILT_MODES, MODE_NAMES
 
 __version__ = "0.1.0"
 

@@ -21,8 +21,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForLangu
                           TrainingArguments)
 
 import easy_context as ec
-from easy_context.launch import run_main, shutdown
-from easy_context.data import byte_tokenizer, stdlib_source_files
+from easy_context.programs.launch import run_main, shutdown
+from easy_context.programs.data import byte_tokenizer, stdlib_source_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,4 +69,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)

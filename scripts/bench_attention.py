@@ -21,7 +21,7 @@ Side by side, in one run, for every mask, sequence length and world size asked f
                       P > 1, causal only, always checked against SDPA: a wrong peer is flagged WRONG
                       in its row, one that cannot run gets the reason; neither fails the run
 
-Masks (--masks, comma separated; default causal). Each is an easy_context.masking.SequenceMask
+Masks (--masks, comma separated; default causal). Each is an easy_context.core.masking.SequenceMask
 over the whole sequence (SequenceMask.from_positions(position_ids).with_window(w), documents
 packed back to back, position_ids restarting at 0 at each document start), built on every rank
 before the steps; the modes skip the work it rules out (blocks, ring steps, transfers):
@@ -147,7 +147,7 @@ def _probe(q, want_deepspeed, masks, seq_lens, seed):
 
 
 def import_easy_context_modes():
-    """(easy_context.modes, easy_context.process_groups), loaded without running the package's
+    """(easy_context.modes, easy_context.core.groups), loaded without running the package's
     __init__, which imports transformers (~8 s per process here; none of it is used by the
     attention paths measured). Falls back to the normal import if that does not work."""
     if "easy_context" not in sys.modules:
@@ -159,11 +159,11 @@ def import_easy_context_modes():
             sys.modules["easy_context"] = stub
             try:
                 modes = importlib.import_module("easy_context.modes")
-                return modes, importlib.import_module("easy_context.process_groups")
+                return modes, importlib.import_module("easy_context.core.groups")
             except Exception:
                 for name in [n for n in sys.modules if n == "easy_context" or n.startswith("easy_context.")]:
                     del sys.modules[name]
-    return importlib.import_module("easy_context.modes"), importlib.import_module("easy_context.process_groups")
+    return importlib.import_module("easy_context.modes"), importlib.import_module("easy_context.core.groups")
 
 
 # ----------------------------------------------------------------------------------- masks
@@ -490,7 +490,7 @@ def _run_rank(torch, rank, world, spec, init_file):
 
             if config == "dist_flash_attn" and spec["mask"] == CAUSAL:  # its analytic traffic depends on its schedule
                 try:
-                    schedule = importlib.import_module("easy_context.dist_flash_attn.schedule")
+                    schedule = importlib.import_module("easy_context.modes.dist_flash_schedule")
                     analytic = dist_flash_comm_bytes(schedule.balanced_schedule(world), S, world, B, Hq, Hkv, D, spec["dtype"])
                 except Exception:  # the schedule API changed: leave the column empty
                     analytic = None

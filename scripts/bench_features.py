@@ -54,7 +54,7 @@ def _rank(rank, world, rendezvous, spec, results):
 
     from easy_context.hf import _equal_head_dims
     from easy_context.modes import get_mode
-    from easy_context.process_groups import get_groups
+    from easy_context.core.groups import get_groups
 
     torch.set_num_threads(max(1, 2 // world))
     d_qk, d_v, softcap, with_sinks = FEATURES[spec["feature"]]

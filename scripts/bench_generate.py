@@ -65,7 +65,7 @@ class _Clock:
 
 
 class _Timed:
-    """Wraps a function of easy_context.generation and adds up the seconds spent in it."""
+    """Wraps a function of easy_context.hf.generation and adds up the seconds spent in it."""
 
     def __init__(self, fn):
         self.fn, self.seconds = fn, 0.0
@@ -129,7 +129,7 @@ def _worker(rank, world, spec, workdir):
     from transformers import AttentionInterface, DynamicCache
 
     import easy_context as ec
-    from easy_context import generation
+    from easy_context.hf import generation
     from easy_context.versions import output_cache
 
     model = _model(spec["vocab"])

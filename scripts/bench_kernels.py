@@ -6,7 +6,7 @@
 Rows per sequence length (causal, B=1, --heads x --head-dim with --kv-heads KV heads):
   sdpa            torch.nn.functional.scaled_dot_product_attention (on CUDA restricted to the
                   flash kernel, falling back to torch's choice where flash cannot run)
-  kernel:<name>   easy_context.kernels.attention_forward + attention_backward with that
+  kernel:<name>   easy_context.core.kernels.attention_forward + attention_backward with that
                   backend: the two calls every mode is built from
   <mode> P=1      zigzag_ring_attn's and dist_flash_attn's attention function on one rank
                   (what a model layer calls), autograd backward: the kernel plus the ring's
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from easy_context import kernels  # noqa: E402
 from easy_context.modes import get_mode  # noqa: E402
-from easy_context.process_groups import get_groups  # noqa: E402
+from easy_context.core.groups import get_groups  # noqa: E402
 
 MATH_MAX_CUDA = 16384  # the math backend is the fallback, not a contender: timed up to here
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,4 +1,4 @@
-"""What the replica guard costs (easy_context/replicas.py): per check, and per training step.
+"""What the replica guard costs (easy_context/hf/replicas.py): per check, and per training step.
 
     torchrun --standalone --nproc_per_node 2 scripts/bench_replica_check.py
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import easy_context as ec
-from easy_context import replicas
+from easy_context.hf import replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 

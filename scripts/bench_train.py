@@ -50,7 +50,7 @@ def _reset_peak() -> None:
 def _model(vocab: int, checkpointing: bool, tile: int):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from easy_context.tiled_mlp import tile_mlps
+    from easy_context.programs.tiled_mlp import tile_mlps
     from easy_context.versions import enable_activation_checkpointing
 
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def _worker(rank, world, spec, workdir):
         dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=600))
     import easy_context as ec
-    from easy_context.loss import chunked_cross_entropy_sum, global_token_mean
+    from easy_context.programs.loss import chunked_cross_entropy_sum, global_token_mean
 
     seq, mode, memory, vocab = spec["seq"], spec["mode"], spec["memory"], spec["vocab"]
     model = _model(vocab, checkpointing=memory, tile=1024 if memory else 0)

@@ -3,7 +3,7 @@
     python scripts/check_kernels.py                  # CUDA when there is one, else CPU
     python scripts/check_kernels.py --device cpu --json out.json
 
-For each dtype and each backend that easy_context.kernels offers for it on this device, one
+For each dtype and each backend that easy_context.core.kernels offers for it on this device, one
 forward (out, lse) and one backward (dq, dk, dv, from the backward's contract: the block's
 own out and lse) per case: a causal square block, a rectangular unmasked block, a masked
 block of packed documents, each with GQA (8 query heads, 2 KV heads).
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from easy_context import kernels  # noqa: E402
+from easy_context.core import kernels  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}

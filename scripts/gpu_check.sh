@@ -136,7 +136,7 @@ trap 'FAILED=1; SUMMARY+=("| (stopped) | FAIL (killed after ${SECONDS} s) | 0 |"
 env_report() {
   "$PY" - <<'EOF'
 import importlib, importlib.metadata as md, platform, torch
-from easy_context import kernels
+from easy_context.core import kernels
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda)
 for package in ("transformers", "accelerate", "datasets", "deepspeed", "flash-attn", "ring-flash-attn", "yunchang", "triton"):
     try:

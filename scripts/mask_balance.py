@@ -17,11 +17,11 @@ import random
 
 import torch
 
-from easy_context.balance import split_documents
-from easy_context.dist_flash_attn import split_rows
-from easy_context.dist_flash_attn.schedule import balanced_schedule
-from easy_context.layout import Layout
-from easy_context.masking import SequenceMask
+from easy_context.core.balance import split_documents
+from easy_context.modes.dist_flash_attn import split_rows
+from easy_context.modes.dist_flash_schedule import balanced_schedule
+from easy_context.core.layout import Layout
+from easy_context.core.masking import SequenceMask
 
 
 def long_tailed_lengths(seq: int, rng: random.Random, median: int = 300, sigma: float = 1.4) -> list[int]:

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Print the README's model-type tables from easy_context/architectures.py (one list).
+"""Print the README's model-type tables from easy_context/hf/architectures.py (one list).
 
     python scripts/model_types_table.py
 """
 
-from easy_context.architectures import markdown_tables
+from easy_context.hf.architectures import markdown_tables
 
 if __name__ == "__main__":
     print(markdown_tables())

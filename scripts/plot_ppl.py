@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the package
 
-from easy_context.plots import perplexity_curves, read_perplexity_csv  # noqa: E402
+from easy_context.programs.plots import perplexity_curves, read_perplexity_csv  # noqa: E402
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""Check the planner (easy_context/plan.py) against measurements and published results.
+"""Check the planner (easy_context/programs/plan.py) against measurements and published results.
 
     python scripts/validate_plan.py                 # tables 1-3 (seconds)
     python scripts/validate_plan.py --calibrate     # + table 0: saved-tensor bytes per layer (about 10 s of CPU)
@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from easy_context.plan import GIB, MIB, PRESETS, Options, activation_terms, estimate, get_device, throughput  # noqa: E402
+from easy_context.programs.plan import GIB, MIB, PRESETS, Options, activation_terms, estimate, get_device, throughput  # noqa: E402
 
 # Rows measured for the planner (not in docs/bench_train.csv), each with the command that
 # produced it (2 CPU cores, torch 2.13 CPU, 2026-12-01):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from easy_context.architectures import SUPPORTED
-from easy_context.architectures import attn_implementation as default_impl
+from easy_context.hf.architectures import SUPPORTED
+from easy_context.hf.architectures import attn_implementation as default_impl
 
 VOCAB = 128
 _COMMON = dict(

@@ -1,4 +1,4 @@
-"""One HF Trainer run on tiny data, for tests/test_trainer.py (importable by spawned ranks).
+"""One HF Trainer run on tiny data, for tests/distributed/test_trainer.py (importable by spawned ranks).
 
 `train(rank, world, spec)` trains a tiny Llama with transformers.Trainer (or TRL's
 SFTTrainer) and returns the per-step losses, the eval loss and the final weights. With
@@ -32,7 +32,7 @@ def tiny_llama(seed: int = 0):
 
 
 def tokenizer(padding_side: str = "right"):
-    from easy_context.data import byte_tokenizer
+    from easy_context.programs.data import byte_tokenizer
 
     result = byte_tokenizer()
     result.pad_token, result.padding_side = result.eos_token, padding_side

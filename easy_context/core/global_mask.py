@@ -1,0 +1,94 @@
+"""The mask over the whole sequence, assembled from every SP rank's shard.
+
+At the first attention call of a forward, every rank of the SP group all-gathers its local
+position_ids and padding (S small integers, once per forward) and builds one
+`masking.SequenceMask` over the whole sequence: documents (position_ids restarting), padding
+and, per layer, the sliding window. Every rank derives it from the same gathered data, so a
+check on it fails on all ranks alike and no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from easy_context.core.groups import SeqParallelGroups
+from easy_context.core.layout import Layout
+from easy_context.core.masking import SequenceMask
+
+__all__ = ["gather_sequence_mask", "check_padding"]
+
+
+def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layout: Layout, token_index) -> SequenceMask:
+    if position_ids is None:
+        raise ValueError("the model passed no position_ids to its attention; sequence parallelism needs them "
+                         "(pass local_position_ids from prepare_seq_parallel_inputs)")
+    batch = position_ids.shape[0] if padding is None else padding.shape[0]
+    rows = [
+        position_ids.expand(batch, -1).long(),
+        torch.ones_like(position_ids.expand(batch, -1), dtype=torch.long) if padding is None else padding.long(),
+    ]
+    if token_index is not None:
+        rows.append(token_index.to(position_ids.device).expand(batch, -1).long())
+    local = torch.stack(rows).contiguous()
+    size, rank = groups.topology.sp_size, groups.sp_rank
+    pieces = [local]
+    if groups.sp is not None:  # on the data's device: NCCL takes only CUDA tensors
+        pieces = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(pieces, local, group=groups.sp)
+    if token_index is None:
+        whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
+        _check_positions(pieces, size, rank, layout)
+        ring_index = None
+    else:
+        whole, ring_index = _unshard_by_index([piece.cpu() for piece in pieces], layout)
+    positions, valid = whole[0], whole[1]
+    check_padding(valid)
+    return SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool(), ring_index)
+
+
+def _unshard_by_index(pieces, layout: Layout):
+    """document_split: each rank's rows sit at the global positions its third row names.
+    Returns the whole (positions, padding) and, per ring rank, the positions of its rows
+    (the Ulysses pieces of a ring share, concatenated in order, as the all-to-all does)."""
+    index = torch.cat([piece[2] for piece in pieces], dim=1)
+    batch, seq = index.shape
+    if not bool((torch.sort(index, dim=1).values == torch.arange(seq)).all()):
+        raise ValueError("seq_parallel_index of the sequence-parallel group is not a permutation of the row's positions: "
+                         "pass local_token_index from prepare_seq_parallel_inputs (same batch, same options)")
+    whole = torch.empty(2, batch, seq, dtype=torch.long)
+    whole.scatter_(2, index.expand(2, -1, -1), torch.cat([piece[:2] for piece in pieces], dim=2))
+    u = layout.ulysses_degree
+    ring_index = [torch.cat([pieces[r * u + i][2] for i in range(u)], dim=1) for r in range(layout.ring_degree)]
+    return whole, ring_index
+
+
+def _check_positions(pieces, size: int, rank: int, layout: Layout) -> None:
+    """Positions left to the model's default (arange over each local shard) give wrong RoPE
+    on every rank but the first, and would read as documents cut at shard boundaries."""
+    local_len = pieces[0].shape[-1]
+    if size == 1 or local_len == 1:  # one token per rank: real positions can look like the default
+        return
+    arange = torch.arange(local_len, device=pieces[0].device)
+    if all(bool((piece[0] == arange).all()) for piece in pieces):
+        raise ValueError(
+            f"position_ids on rank {rank} of {size} are the model's default (0..{local_len - 1} on every rank), "
+            f"not this rank's {layout.name} share of the sequence. Pass the `local_position_ids` returned "
+            "by prepare_seq_parallel_inputs (to generate, use easy_context.generate, not model.generate)."
+        )
+
+
+def check_padding(valid: torch.Tensor) -> None:
+    """Padding = zeros at the start and/or end of a row; zeros inside a row are refused."""
+    if not bool(((valid == 0) | (valid == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    ones = valid.bool()
+    inside = ones.long().cummax(dim=1).values.bool() & ones.flip(1).long().cummax(dim=1).values.flip(1).bool()
+    holes = inside & ~ones
+    if bool(holes.any()):
+        row, col = (int(i) for i in torch.nonzero(holes)[0])
+        raise ValueError(
+            f"attention_mask row {row} has a 0 at position {col} between tokens: only padding (zeros at the "
+            "start and/or end of a row) is supported under sequence parallelism; pack documents with "
+            "position_ids restarting at 0 instead of masking inside a row"
+        )

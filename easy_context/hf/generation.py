@@ -1,0 +1,441 @@
+"""Generation at long context: the prompt's K/V sharded over the SP group, decoding exact.
+
+    generate(mode, model, input_ids, attention_mask=None, **options_and_generate_kwargs)
+
+Every rank of an SP group passes the same prompts (B, S) and gets the same output as one
+process's `model.generate` would give. How:
+
+1. Prefill (ours): the first S - 1 prompt tokens run through the model in the mode's layout,
+   like a training forward (padded at the end to a length the layout splits, the padding
+   masked). A `ShardedKVCache` keeps what each layer computed for this rank's tokens: the
+   rank's shard of every layer's K/V, and nothing else.
+2. Decoding (HF's): `model.generate` runs with that cache, so logits processors, stopping
+   criteria, sampling, beam search and EOS handling are transformers' own. It sees a cache
+   holding S - 1 tokens, feeds the last prompt token, then one token per step. Those tokens
+   run on every rank (the same input, the same weights: the same hidden states); only
+   attention differs: each rank attends the step's queries to its own K/V shard
+   (kernels.attention_forward, which returns the log-sum-exp) and one all-gather of the
+   partial (out, lse) per layer merges them exactly (ring.merge_block, in rank order, so
+   every rank gets bitwise the same result). The token with sequence index i is kept by SP
+   rank i % P, so the cache stays balanced.
+
+Where the hook sits: hf.py's attention dispatcher hands a layer's call to the cache's `attend`
+while a ShardedKVCache is decoding (`hf.decoding_with(cache)`); the prefill goes through the
+mode's own attention. Masks: padding (left-padded batches) and per-layer sliding windows are
+described per cache slot (its sequence index and validity), the same rule as masking.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from transformers.cache_utils import Cache, DynamicLayer
+
+from easy_context.core.global_mask import check_padding
+from easy_context.hf import patch as hf
+from easy_context.hf.api import _OPTIONS, _topology, prepare_seq_parallel_inputs
+from easy_context.core.kernels import accumulation_dtype, attention_forward
+from easy_context.modes import get_mode
+from easy_context.core.groups import get_groups
+from easy_context.core.ring import fold_sinks, merge_block
+from easy_context.versions import cache_keyword
+
+__all__ = ["generate", "ShardedKVCache", "kv_bytes"]
+
+# generate() options that would bypass or fight the sharded cache.
+_REFUSED_KWARGS = {
+    "cache": "generate makes its own sharded cache",
+    "past_key_values": "generate makes its own sharded cache",
+    "cache_implementation": "generate makes its own sharded cache",
+    "assistant_model": "assisted decoding rolls the cache back, which a sharded cache does not do",
+    "prompt_lookup_num_tokens": "prompt lookup rolls the cache back, which a sharded cache does not do",
+    "inputs_embeds": "pass input_ids",
+    "position_ids": "positions follow from attention_mask, as in model.generate",
+}
+GROWTH = 256  # cache slots added at once when a rank's shard of a layer is full (one copy per GROWTH tokens)
+
+
+class _ShardLayer(DynamicLayer):
+    """One layer's K/V on this rank: the cache's slots [base, base + used) in a buffer, of which
+    [first, base + used) are live. Slots before `first` fall out of a sliding window for every
+    later query (slot indices increase: the layouts keep a rank's tokens in order, and new
+    tokens come last); their memory is reclaimed at the next copy. The prefill's tensors are
+    kept as they come; decoding appends into spare capacity (GROWTH slots at a time) instead of
+    concatenating the whole shard at every token, as DynamicLayer does."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = self.first = self.used = 0
+        self.updated_at = 0  # the cache's length after this layer's last update
+        self.window = None  # the layer's sliding window, learnt at its first decoding step
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values, self.used, self.is_initialized = keys, values, keys.shape[-2], True
+
+    def live(self):
+        start = self.first - self.base
+        return self.keys[..., start:self.used, :], self.values[..., start:self.used, :]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor):
+        if not self.is_initialized:
+            self.store(keys[..., :0, :].clone(), values[..., :0, :].clone())
+        added, dead = keys.shape[-2], self.first - self.base
+        if self.used + added > self.keys.shape[-2] or dead >= max(GROWTH, self.used - dead):
+            live = self.used - dead  # copy the live slots only, with GROWTH spare ones
+            self.keys, self.values = (_copied(x, dead, self.used, live + added + GROWTH) for x in (self.keys, self.values))
+            self.base, self.used = self.first, live
+        self.keys[..., self.used:self.used + added, :] = keys
+        self.values[..., self.used:self.used + added, :] = values
+        self.used += added
+        return self.live()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = (x.index_select(0, index.to(x.device)) for x in (self.keys, self.values))
+
+
+def _copied(x: torch.Tensor, start: int, stop: int, capacity: int) -> torch.Tensor:
+    copy = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
+    copy[..., :stop - start, :] = x[..., start:stop, :]
+    return copy
+
+
+class ShardedKVCache(Cache):
+    """This SP rank's shard of every layer's K/V, for transformers' generate.
+
+    Every slot has a sequence index and, per batch row, a validity bit (False: the prompt's
+    left padding). `length` is the length of the whole sequence so far, what transformers
+    sees as the cache length.
+    """
+
+    def __init__(self, group, sp_rank: int, sp_size: int):
+        super().__init__(layer_class_to_replicate=_ShardLayer)
+        self.group, self.rank, self.size = group, sp_rank, sp_size
+        self.length = 0
+        self.index: Optional[torch.Tensor] = None  # (slots,) int64
+        self.valid: Optional[torch.Tensor] = None  # (B, slots) bool
+        self.prefilled = False  # False: update stores the prefill's shard; True: update appends a step's tokens
+        self._prefill = None  # (slots the prefill passes, the positions among them that are kept or None, length)
+        self._step_kept = None  # positions among the step's new tokens that this rank keeps
+        self._pending = None  # the layer updated last, whose attention comes next
+        self._masks: dict = {}  # (window, first slot) -> the step's mask or None (all allowed)
+
+    # ------------------------------------------------------------ filling
+    def start_prefill(self, index: torch.Tensor, valid: torch.Tensor, length: int) -> None:
+        """index (slots,): the sequence index of each token this rank prefills, -1 for the
+        padding that made the prompt split; valid (B, slots); length: the prompt tokens the
+        prefill holds. The padding is not kept: every later step would attend it through a
+        mask, and a masked kernel is the slower one."""
+        real = index >= 0
+        self._prefill = (index.shape[0], None if bool(real.all()) else torch.nonzero(real).flatten(), length)
+        self.index, self.valid = index[real], valid[:, real]
+
+    def finish_prefill(self, batch: int, device) -> None:
+        """From here on update appends decoding steps' tokens; the cache holds the prefill's."""
+        if self.index is None:  # a one-token prompt: nothing was prefilled
+            self.index = torch.empty(0, dtype=torch.long, device=device)
+            self.valid = torch.empty(batch, 0, dtype=torch.bool, device=device)
+        else:
+            self.length = self._prefill[2]
+        self.prefilled, self._prefill = True, None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_ShardLayer())
+        layer = self.layers[layer_idx]
+        if not self.prefilled:
+            slots, kept, length = self._prefill
+            if key_states.shape[-2] != slots:
+                raise RuntimeError(f"prefill: layer {layer_idx} has {key_states.shape[-2]} tokens, expected {slots}")
+            layer.updated_at = length
+            layer.store(*(x if kept is None else x[..., kept, :] for x in (key_states, value_states)))
+            return key_states, value_states  # the prefill's attention runs on the shard as it came
+        if key_states.shape[0] != self.valid.shape[0]:
+            self._expand_batch(key_states.shape[0])
+        if layer.updated_at == self.length:  # the first layer of this step: admit its tokens
+            self._admit(key_states.shape[-2], key_states.shape[0], key_states.device)
+        layer.updated_at = self.length
+        if layer.window is not None:  # slots no query from this step on can reach
+            oldest_query = self.length - key_states.shape[-2]
+            layer.first = max(layer.first, int(torch.searchsorted(self.index, oldest_query - layer.window + 1)))
+        self._pending = layer_idx
+        return layer.append(key_states[..., self._step_kept, :], value_states[..., self._step_kept, :])
+
+    def _expand_batch(self, batch: int) -> None:
+        """model.generate repeats each prompt (num_beams, num_return_sequences) before the
+        first step but leaves a cache it was given as it is: repeat the cache alike."""
+        repeats, rest = divmod(batch, self.valid.shape[0])
+        if rest or any(layer.is_initialized and layer.keys.shape[0] != self.valid.shape[0] for layer in self.layers):
+            raise RuntimeError(f"decoding a batch of {batch} rows with a cache of {self.valid.shape[0]} rows")
+        self.batch_repeat_interleave(repeats)
+
+    def _admit(self, new: int, batch: int, device) -> None:
+        indices = torch.arange(self.length, self.length + new, device=device)
+        self._step_kept = torch.nonzero(indices % self.size == self.rank).flatten()
+        self.index = torch.cat([self.index, indices[self._step_kept]])
+        self.valid = torch.cat([self.valid, torch.ones(batch, len(self._step_kept), dtype=torch.bool, device=device)], dim=1)
+        self.length += new
+        self._masks = {}
+
+    # -------------------------------------------------------- attention
+    def step_mask(self, new: int, window: Optional[int], first: int = 0) -> Optional[torch.Tensor]:
+        """(B, 1, new, slots - first) bool: which local slots from `first` on the step's queries
+        may attend (the masking.py rule: valid, not after the query, within the window); None
+        when every one is allowed. Computed once per step, window and first slot."""
+        key = (window, first)
+        if key not in self._masks:
+            index, valid = self.index[first:], self.valid[:, first:]
+            queries = torch.arange(self.length - new, self.length, device=index.device)[:, None]
+            allowed = valid[:, None, None, :] & (index <= queries)
+            if window is not None:
+                allowed = allowed & (queries - index < window)
+            self._masks[key] = None if bool(allowed.all()) else allowed
+        return self._masks[key]
+
+    def attend(self, q, k, v, scale: float, layer_idx: int, window=None, softcap=None, sinks=None) -> torch.Tensor:
+        """Exact attention of the step's queries q (B, Hq, n, D), the same on every rank, over
+        the K/V of every rank (k, v: this rank's live slots of layer `layer_idx`, as update
+        returned them): local partial, one all-gather, log-sum-exp merge."""
+        if self._pending != layer_idx:
+            # Every rank runs the same forwards, so every rank raises here (no peer left waiting).
+            raise ValueError(
+                "generate: a forward with another cache ran while decoding (guidance_scale or negative_prompt_ids, or "
+                "Phi-3's cache reset when the length crosses original_max_position_embeddings); not supported"
+            )
+        self._pending = None
+        layer = self.layers[layer_idx]
+        if window is not None and window < self.length:
+            layer.window = window  # from the next step on, update drops what falls out of it
+        acc = accumulation_dtype(q.dtype)
+        if k.shape[-2] == 0:  # nothing here yet (a one-token prompt on P ranks)
+            out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc)
+            lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+        else:
+            mask = self.step_mask(q.shape[2], window, layer.first)
+            out, lse = attention_forward(q, k, v, False, scale, mask=mask, softcap=softcap)
+        out, lse = out.to(acc), lse.to(acc)
+        if self.group is not None:
+            # With the partial (out, lse) goes a checksum of the queries: ranks whose tokens
+            # diverged would otherwise keep decoding different sequences until one stops at
+            # EOS and its peers wait forever.
+            packed = torch.cat([out, lse.unsqueeze(-1), q.to(acc).sum(-1, keepdim=True)], dim=-1).contiguous()
+            pieces = [torch.empty_like(packed) for _ in range(self.size)]
+            dist.all_gather(pieces, packed, group=self.group)
+            _check_same_queries([piece[..., -1] for piece in pieces])
+            out, lse = pieces[0][..., :-2].clone(), pieces[0][..., -2].clone()
+            for piece in pieces[1:]:  # rank order on every rank: bitwise equal results
+                merge_block(out, lse, piece[..., :-2], piece[..., -2])
+        out, _ = fold_sinks(out, lse, sinks)
+        return out.to(q.dtype)
+
+    # ------------------------------------------ what transformers asks
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_max_length(self, layer_idx=None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a sharded KV cache cannot be rolled back (assisted decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.select_batch(indices)
+        self.valid = self.valid.index_select(0, indices.to(self.valid.device))
+        self._masks = {}
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))
+
+
+def _check_same_queries(checksums: list) -> None:
+    """The ranks decode the same tokens: their queries agree (every rank sees every checksum,
+    so every rank decides alike)."""
+    reference = checksums[0]
+    for rank, checksum in enumerate(checksums[1:], start=1):
+        if not torch.allclose(checksum, reference, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"generate: rank {rank} of the sequence-parallel group decodes other tokens than rank 0 "
+                               "(different inputs, weights or generate options on the ranks)")
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of K/V a transformers cache holds on this rank (a ShardedKVCache: its shard, spare
+    capacity included; a DynamicCache: everything)."""
+    tensors = [x for layer in getattr(cache, "layers", ()) for x in (layer.keys, layer.values) if x is not None]
+    return sum(x.untyped_storage().nbytes() for x in tensors)
+
+
+# ------------------------------------------------------------------ generate
+def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    """`model.generate(input_ids, attention_mask=..., **kwargs)` with the prompt prefilled in
+    `mode`'s layout and the KV cache sharded over the SP group; returns what model.generate
+    returns, the same on every rank of the group.
+
+    Call apply_seq_parallel_monkey_patch(mode, model) first. Every rank of an SP group passes
+    the same input_ids (B, S) and attention_mask (B, S) (0 = padding; left padding, as for
+    model.generate) and the same generate kwargs; sampling needs the same seed on every rank
+    (torch.manual_seed). Options sp_size, ring_degree, document_split as everywhere else;
+    other keywords go to model.generate (max_new_tokens, do_sample, num_beams, ...).
+    """
+    options = {name: kwargs.pop(name) for name in _OPTIONS if name in kwargs}
+    for name, why in _REFUSED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate: {name} is not supported ({why})")
+    if kwargs.get("use_cache") is False:
+        raise ValueError("generate: use_cache=False is not supported; the sharded KV cache is the point")
+    resolved = get_mode(mode)
+    # use_cache=True: a model saved for training often has use_cache=False in its config, which
+    # model.generate would follow and run the whole sequence again at every token.
+    kwargs["use_cache"] = True
+    if resolved.attention is None:  # data_parallel: each rank generates on its own
+        return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    _check_patched(mode, model)
+    topology, options = _checked_topology(resolved, options)
+    groups = get_groups(topology)
+    input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, model)
+    config = _generation_config(model, kwargs)
+    for name in ("guidance_scale", "negative_prompt_ids"):
+        if getattr(config, name, None) not in (None, 1, 1.0) or kwargs.get(name) is not None:
+            raise ValueError(f"generate: {name} is not supported (classifier-free guidance runs a second forward "
+                             "with a cache of its own)")
+    _check_same_everywhere(groups.sp, input_ids, attention_mask, bool(getattr(config, "do_sample", False)))
+
+    cache = ShardedKVCache(groups.sp, groups.sp_rank, topology.sp_size)
+    with torch.no_grad():
+        _prefill(mode, model, cache, input_ids, attention_mask, topology, groups.sp_rank, options)
+    cache.finish_prefill(input_ids.shape[0], input_ids.device)
+    with hf.decoding_with(cache):
+        # cache_implementation=None: a model's generation config may name one (Gemma 2: "hybrid"),
+        # which transformers refuses next to a cache it is given; ours replaces it.
+        output = model.generate(input_ids, attention_mask=attention_mask, cache_implementation=None,
+                                **{cache_keyword(model): cache}, **kwargs)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    _check_same_everywhere(groups.sp, sequences, None, False, what="generated tokens")
+    return output
+
+
+def _check_patched(mode: str, model) -> None:
+    from easy_context.hf.architectures import model_types_of
+
+    active = hf.active_patch()
+    types = set(model_types_of(model))
+    if active is None or active.mode.name != mode or not types <= active.model_types:
+        raise ValueError(
+            f"generate({mode!r}, ...): call apply_seq_parallel_monkey_patch({mode!r}, model) first "
+            f"(active patch: {None if active is None else (active.mode.name, sorted(active.model_types))})"
+        )
+    if model.training:
+        raise ValueError("generate: the model is in training mode; call model.eval() first")
+
+
+def _checked_topology(mode, options):
+    """The SP topology of the call: the patch's (sharded prefill and decoding must agree)."""
+    topology, options = _topology("generate", mode, hf.world_size(), options)
+    active = hf.active_patch()
+    patched = active.mode.topology(topology.world_size, active.sp_size, active.ring_degree)
+    if topology != patched:
+        raise ValueError(f"generate: sp_size={topology.sp_size}, ring_degree={topology.ring_degree} differ from the patch's "
+                         f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)")
+    if options["document_split"]:
+        raise ValueError("generate: document_split is for packed rows; a prompt is one document per row "
+                         "(apply the patch without document_split to generate)")
+    return topology, options
+
+
+def _checked_prompt(input_ids, attention_mask, model):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"generate: input_ids must be a (batch, seq_len) tensor with seq_len >= 1, got {shape}")
+    device = model.device if model.device.type != "meta" else input_ids.device
+    input_ids = input_ids.to(device)
+    if attention_mask is None:  # transformers needs it to see that the cache holds the prompt
+        return input_ids, torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    attention_mask = attention_mask.to(device).long()
+    check_padding(attention_mask.cpu())
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("generate: rows must be left-padded (the last token of every row real), as for model.generate")
+    return input_ids, attention_mask
+
+
+def _generation_config(model, kwargs):
+    """The generation config model.generate(**kwargs) will use (transformers' own merge of the
+    model's defaults and the call's options); None for a model without one."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:  # not a transformers generation model: its generate will say so
+        return None
+    options = {name: value for name, value in kwargs.items() if name != "generation_config"}
+    return prepare(kwargs.get("generation_config"), **options)[0]
+
+
+def _fingerprint(x: torch.Tensor) -> torch.Tensor:
+    weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(9973).add_(1)
+    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), (x.flatten().double() * weights).sum()])
+
+
+def _check_same_everywhere(group, tokens, mask, sampling: bool, what: str = "prompts") -> None:
+    """Every rank of the SP group must hold the same prompts (and, when sampling, the same
+    random state): a difference would make the sharded cache a mix of two sequences. Every
+    rank sends the same number of values, whatever it was given."""
+    if group is None:
+        return
+    state = None
+    if sampling:
+        state = torch.cuda.get_rng_state(tokens.device) if tokens.device.type == "cuda" else torch.get_rng_state()
+    parts = [_fingerprint(x.to(tokens.device)) if x is not None else torch.zeros(2, dtype=torch.float64, device=tokens.device)
+             for x in (tokens, mask, state)]
+    local = torch.cat(parts + [torch.tensor([float(sampling)], dtype=torch.float64, device=tokens.device)])
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local, group=group)
+    if any(not torch.equal(piece, pieces[0]) for piece in pieces):
+        hint = " and random states (seed every rank alike: torch.manual_seed)" if sampling else ""
+        raise ValueError(f"generate: the {what}{hint} differ between the ranks of the sequence-parallel group")
+
+
+def _prefill(mode: str, model, cache: ShardedKVCache, input_ids, attention_mask, topology, sp_rank: int, options) -> None:
+    """The first S - 1 prompt tokens through the model in the mode's layout, into the cache."""
+    length = input_ids.shape[1] - 1
+    if length == 0:
+        return
+    # Positions as model.generate makes them: left padding does not count.
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, :length]
+    layout = get_mode(mode).layout(topology)
+    padded = -(-length // layout.multiple) * layout.multiple  # the end padded so that the layout splits it
+
+    def extend(x):
+        return torch.nn.functional.pad(x[:, :length], (0, padded - length), value=0)
+
+    ids, mask, positions = extend(input_ids), extend(attention_mask), extend(positions)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = prepare_seq_parallel_inputs(
+        mode, ids, positions, None, rank, topology.world_size, ids.device,
+        attention_mask=None if bool(mask.all()) else mask, **options,
+    )
+    columns = layout.local_indices(padded, sp_rank).to(ids.device)
+    index = columns.masked_fill(columns >= length, -1)
+    cache.start_prefill(index, mask[:, columns].bool(), length)
+    model(
+        input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
+        attention_mask=local["local_attention_mask"], use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache},
+    )

@@ -1,0 +1,246 @@
+"""The one integration point with Hugging Face transformers (5.x attention registry).
+
+We replace the `sdpa`, `eager` and `flash_attention_2` entries of transformers' attention
+registry and of its mask registry with dispatchers. For a model type that was patched they
+run the active mode's sequence-parallel attention; for every other model they call the
+original function, so the patch is scoped to the model types named by the user. Models are
+found at call time through the registry, so models created before or after the patch are
+both covered, and nothing of the model code is forked.
+
+The mask dispatcher exists because transformers builds masks over the *local* shard: it
+would read the zigzag position jump as a packed-sequence boundary, and a padding mask
+over one shard says nothing about the others. It returns a `ShardedMask` instead: the
+local padding mask of this forward. At the first attention call of the forward, every
+rank of the SP group all-gathers its local position_ids and padding (S small integers,
+once per forward) and the result becomes one `masking.SequenceMask` over the whole
+sequence: documents (position_ids restarting), padding and, per layer, the sliding
+window. Every rank derives it from the same gathered data, so every check on it fails
+on all ranks alike and no rank is left waiting in a collective. The same first call
+checks now and then that the SP group's weights are still identical (replicas.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import inspect
+import math
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from easy_context.core.global_mask import gather_sequence_mask
+from easy_context.hf import admission
+from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES
+from easy_context.core.layout import Layout
+from easy_context.core.masking import SequenceMask
+from easy_context.modes import SeqParallelMode
+from easy_context.core.groups import SeqParallelGroups, get_groups
+from easy_context.hf.replicas import check_replicas
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "ShardedMask", "install", "uninstall", "active_patch", "world_size"]
+
+# Implementations a patched model may use (each becomes sequence parallel). Every other name
+# in the registries is dispatched too, so a patched model on, say, flex_attention is refused
+# instead of silently attending within its shard only.
+SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+_MISSING = object()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclass(frozen=True)
+class ActivePatch:
+    mode: SeqParallelMode
+    model_types: frozenset
+    sp_size: Optional[int] = None  # None: the whole world
+    ring_degree: Optional[int] = None  # None: the mode's default
+    document_split: Optional[bool] = None  # a layout per packed row; the model gets seq_parallel_index
+
+    def groups(self) -> SeqParallelGroups:
+        """This rank's process groups; created at the first call, then cached."""
+        return get_groups(self.mode.topology(world_size(), self.sp_size, self.ring_degree))
+
+
+_active: Optional[ActivePatch] = None
+_saved: dict = {}  # (registry mapping id, name) -> original function or _MISSING
+
+
+def active_patch() -> Optional[ActivePatch]:
+    return _active
+
+
+def _is_patched(config) -> bool:
+    return _active is not None and getattr(config, "model_type", None) in _active.model_types
+
+
+# ------------------------------------------------------------------------ masks
+class ShardedMask:
+    """What the mask dispatcher hands the attention for one forward: the local 2D padding
+    mask (or None), resolved into a SequenceMask over the whole sequence at first use."""
+
+    def __init__(self, padding: Optional[torch.Tensor]):
+        self.padding = padding
+        self._resolved: Optional[SequenceMask] = None
+
+    def resolve(self, module, position_ids, groups: SeqParallelGroups, layout: Layout, token_index=None) -> SequenceMask:
+        """Called by every attention layer; the first call of a forward does the work."""
+        if self._resolved is None:
+            self._resolved = gather_sequence_mask(position_ids, self.padding, groups, layout, token_index)
+            check_replicas(module, groups.sp, groups.sp_rank, position_ids.device)
+        return self._resolved
+
+
+# ------------------------------------------------------------------ dispatchers
+def _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs):
+    admission.check_call(module, attention_mask, kwargs, ShardedMask)
+    if _decoding_cache is not None:
+        window = kwargs.get("sliding_window")
+
+        def attend(q, k, v, scale, **options):
+            return _decoding_cache.attend(q, k, v, scale, module.layer_idx, window=window, **options)
+    else:
+        attend = _mode_attention(module, query, key, attention_mask, kwargs)
+    scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
+    options = admission.logit_options(module, kwargs)
+    query, key, value, value_dim = admission.equal_head_dims(query, key, value)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # RoPE returns fp32 q/k under autocast while v comes out of a bf16 matmul: run the
+        # attention in the autocast dtype, as SDPA would, with autocast off inside our kernels
+        # (their fp32 accumulation must stay fp32).
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+        with torch.autocast(device_type, enabled=False):
+            out = attend(query, key, value, scale, **options)
+    else:
+        if not query.dtype == key.dtype == value.dtype:
+            raise ValueError(f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}) outside autocast")
+        out = attend(query, key, value, scale, **options)
+    if value_dim is not None:
+        out = out[..., :value_dim]
+    return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
+
+
+def _mode_attention(module, query, key, attention_mask, kwargs):
+    """The active mode's attention over the SP group's shards, with this forward's mask."""
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"query length {query.shape[2]} != key length {key.shape[2]}: a KV cache (generation) "
+            "outside easy_context.generate is not supported under sequence parallelism; call the model with "
+            "use_cache=False, or generate with easy_context.generate(mode, model, input_ids, ...)"
+        )
+    groups = _active.groups()
+    layout = _active.mode.layout(groups.topology)
+    sharded = attention_mask if attention_mask is not None else ShardedMask(None)
+    token_index = kwargs.get("seq_parallel_index")
+    if _active.document_split and token_index is None:
+        raise ValueError("the patch has document_split=True: call the model with "
+                         "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs")
+    if token_index is not None and not _active.document_split:
+        raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
+    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
+
+    def attend(q, k, v, scale, **options):
+        return _active.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)
+
+    return attend
+
+
+# While generation.generate decodes, its ShardedKVCache: a layer's call is then one decoding
+# step's queries, the same on every rank, against this rank's K/V shard.
+_decoding_cache = None
+
+
+@contextlib.contextmanager
+def decoding_with(cache):
+    global _decoding_cache
+    previous, _decoding_cache = _decoding_cache, cache
+    try:
+        yield cache
+    finally:
+        _decoding_cache = previous
+
+
+def _original_attention(name, module):
+    original = _saved.get((id(AttentionInterface._global_mapping), name), _MISSING)
+    if original is not _MISSING:
+        return original
+    # "eager" is not in the registry by default: each model module has its own function.
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses eager attention but its module has no eager_attention_forward; "
+            "call remove_seq_parallel_monkey_patch() before using this model, or give it attn_implementation='sdpa'"
+        )
+    return eager
+
+
+def _refuse_implementation(name):
+    raise ValueError(
+        f"attn_implementation={name!r} is not supported under sequence parallelism (it would attend "
+        f"within each rank's shard only); load the model with one of {list(SUPPORTED_IMPLEMENTATIONS)}"
+    )
+
+
+def _make_attention_dispatcher(name):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if _is_patched(getattr(module, "config", None)):
+            if name not in SUPPORTED_IMPLEMENTATIONS:
+                _refuse_implementation(name)
+            return _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs)
+        return _original_attention(name, module)(module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"easy_context_{name}_attention"
+    return attention
+
+
+def _make_mask_dispatcher(name, original):
+    def mask(*args, **kwargs):
+        if not _is_patched(kwargs.get("config")):
+            return original(*args, **kwargs)
+        if name not in SUPPORTED_IMPLEMENTATIONS:
+            _refuse_implementation(name)
+        admission.check_mask_function(kwargs.get("mask_function"))
+        # Resolved at the first attention call, where the position_ids are known.
+        return ShardedMask(kwargs.get("attention_mask"))
+
+    mask.__name__ = f"easy_context_{name}_mask"
+    return mask
+
+
+# --------------------------------------------------------------- install/undo
+def install(patch: ActivePatch) -> None:
+    global _active
+    _active = patch
+    if _saved:  # dispatchers already in place; they read `_active` at call time
+        return
+    attention_map = AttentionInterface._global_mapping
+    mask_map = AttentionMaskInterface._global_mapping
+    for name in sorted(set(attention_map) | set(SUPPORTED_IMPLEMENTATIONS)):
+        _saved[(id(attention_map), name)] = attention_map.get(name, _MISSING)
+        attention_map[name] = _make_attention_dispatcher(name)
+    for name in list(mask_map):
+        _saved[(id(mask_map), name)] = mask_map[name]
+        mask_map[name] = _make_mask_dispatcher(name, mask_map[name])
+
+
+def uninstall() -> None:
+    global _active
+    _active = None
+    for registry in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping):
+        for name in list(registry):
+            original = _saved.pop((id(registry), name), None)
+            if original is _MISSING:
+                registry.pop(name, None)
+            elif original is not None:
+                registry[name] = original

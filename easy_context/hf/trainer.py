@@ -1,0 +1,314 @@
+"""HF Trainer and TRL SFTTrainer in one line: prepare_trainer(mode, trainer, **options).
+
+The trainer keeps doing everything it does (DDP or DeepSpeed, gradient accumulation,
+evaluation, checkpoints, resume); four things change, each for a reason:
+
+  data     Every rank of an SP group must read the same batches, and the data-parallel
+           groups different ones. The trainer's dataloaders are prepared by accelerate as
+           for dp_size processes, with this rank's dp_rank.
+  batches  compute_loss keeps this rank's share of each batch (prepare_seq_parallel_inputs).
+           The labels are shifted first: shifting a shard would pair tokens across shard
+           boundaries. Rows are padded internally (masked, label -100) to a length the
+           layout can split.
+  loss     The Trainer counts num_items_in_batch over whole rows, on each of the sp_size
+           ranks that hold them, so it is divided by sp_size: each rank's loss is then its
+           share of the token-weighted mean over the SP group, and gradient averaging over
+           the ranks (DDP, DeepSpeed) gives the single process's gradient. With
+           average_tokens_across_devices the count covers every group, as in plain DDP.
+  eval     A batch's loss is its SP group's token-weighted mean; logits are gathered back
+           to whole rows when predict() or compute_metrics keeps them, and results are
+           gathered once per SP group.
+Every batch is also checked to be the same on every rank of the SP group (one all-gather
+of four numbers): a sampler or dataset that hands ranks different rows would otherwise
+stitch unrelated shards into one sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from easy_context.hf import patch as hf
+from easy_context.hf.architectures import check_training_config
+from easy_context.hf.api import _all_gather, _options, _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
+from easy_context.modes import get_mode
+from easy_context.core.groups import get_groups
+from easy_context.versions import check_supported
+
+__all__ = ["prepare_trainer"]
+
+IGNORE_INDEX = -100
+# Keys with one value per token that are sharded; the keys below restate the documents that
+# position_ids already describe (flash-attention varlen metadata of padding-free collators).
+PER_TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+RESTATED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def prepare_trainer(mode: str, trainer, **options):
+    """Make a transformers.Trainer (or a subclass such as TRL's SFTTrainer) train `mode`.
+
+    Call it after creating the trainer and before trainer.train(); every rank calls it.
+    Applies the monkey patch for the trainer's model type (if not applied yet) with
+    `options` (sp_size, ring_degree, document_split) and returns the same trainer.
+    """
+    check_supported("accelerate")
+    resolved = get_mode(mode)
+    if isinstance(trainer, SeqParallelTrainerMixin):
+        raise ValueError("prepare_trainer was already called on this trainer")
+    config = getattr(trainer.model, "config", None)
+    if getattr(config, "model_type", None) is None:
+        raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
+    if resolved.attention is not None:
+        _check_supported(trainer)
+        if hf.world_size() > 1 and trainer.accelerator.distributed_type.name == "NO":
+            raise ValueError(f"the trainer's accelerator runs each of the {hf.world_size()} processes on its own "
+                             "(DistributedType.NO: no DDP, gradients never averaged); on a machine without CUDA "
+                             "create the trainer with TrainingArguments(use_cpu=True)")
+    # Options not given default to an active patch's for this mode (and may not contradict them).
+    options = {k: v for k, v in _options("prepare_trainer", resolved, options).items() if v is not None}
+    apply_seq_parallel_monkey_patch(mode, config, **options)  # the config: its text decoder's type
+    if resolved.attention is None:  # data_parallel: the Trainer already is one
+        return trainer
+    topology, resolved_options = _topology("prepare_trainer", resolved, trainer.accelerator.num_processes, options)
+    trainer.__class__ = _seq_parallel_class(type(trainer))
+    trainer._seq_parallel = _Batches(mode, topology, resolved_options)
+    if topology.sp_size > 1:
+        _read_by_sp_group(trainer, topology)
+    return trainer
+
+
+def _check_supported(trainer) -> None:
+    args = trainer.args
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise ValueError("train_sampling_strategy='batch_rebalance' is not supported by prepare_trainer (its sampler "
+                         "gives every process its own batch; an SP group needs one); use 'random' or 'group_by_length'")
+    if getattr(args, "eval_use_gather_object", False):
+        raise ValueError("eval_use_gather_object=True is not supported by prepare_trainer; evaluation results must "
+                         "be tensors")
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} is not supported by prepare_trainer "
+                         "(the label smoother shifts labels after sharding); set it to 0")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise ValueError("compute_loss_func is not supported by prepare_trainer: it would get this rank's share of "
+                         "each row; the model's own loss (labels / shift_labels) is")
+    check_training_config(trainer.model.config)
+    if not getattr(trainer, "model_accepts_loss_kwargs", True):
+        raise ValueError(f"{type(trainer.model).__name__}.forward takes no **kwargs (num_items_in_batch, shift_labels); "
+                         "prepare_trainer needs a model whose loss takes them, as transformers' causal LMs do")
+
+
+class SeqParallelTrainerMixin:
+    """Put in front of the trainer's class by prepare_trainer."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        batches: _Batches = self._seq_parallel
+        local, row_length = batches.shard(inputs)
+        if not model.training:  # evaluation: each rank's loss is the mean over its own tokens
+            result = super().compute_loss(model, local, return_outputs, None)
+            loss, outputs = result if return_outputs else (result, None)
+            loss_sum, count = batches.group_sum(loss, local.get("shift_labels"))
+            if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+                # As the Trainer weighs data-parallel batches: by their share of every group's tokens.
+                every_group = torch.as_tensor(num_items_in_batch / batches.topology.sp_size).clamp(min=1)
+                loss = loss_sum * batches.topology.dp_size / every_group
+            else:
+                loss = loss_sum / count.clamp(min=1)
+            if return_outputs and batches.keep_logits:
+                outputs = batches.gather_logits(outputs, local, row_length)
+            return (loss, outputs) if return_outputs else loss
+        if num_items_in_batch is None:
+            raise ValueError("prepare_trainer: training needs num_items_in_batch (the batch has no labels, or the "
+                             "model's loss takes no num_items_in_batch)")
+        # Counted over whole rows on each of the SP group's ranks.
+        return super().compute_loss(model, local, return_outputs, num_items_in_batch / batches.topology.sp_size)
+
+    @property
+    def gather_function(self):
+        """What the evaluation loop gathers results with: every rank of an SP group holds the
+        same losses, labels and (gathered) logits, so keep each group's once."""
+        return self._seq_parallel.gather_once_per_sp_group
+
+    @gather_function.setter
+    def gather_function(self, value):
+        pass  # the Trainer sets accelerate's gather_for_metrics again after each evaluation loop
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Logits are gathered back to whole rows only when the caller keeps them (predict(),
+        # evaluate() with compute_metrics): the gather costs sp_size x the local logits.
+        self._seq_parallel.keep_logits = not prediction_loss_only
+        if not any(inputs.get(name) is not None for name in (*self.label_names, "shift_labels")):
+            # The Trainer would call the model on whole rows, bypassing compute_loss (and the sharding).
+            raise ValueError("prepare_trainer: evaluate()/predict() batches need labels (the Trainer runs label-less "
+                             "batches outside compute_loss, unsharded)")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+@functools.lru_cache(maxsize=None)
+def _seq_parallel_class(base: type) -> type:
+    return type(f"SeqParallel{base.__name__}", (SeqParallelTrainerMixin, base), {"__module__": base.__module__})
+
+
+class _Batches:
+    """Shards batches for one mode and topology, and recombines what the SP group computed."""
+
+    def __init__(self, mode: str, topology, options: dict):
+        self.mode, self.topology = mode, topology
+        self.options = {k: v for k, v in options.items() if v is not None}
+        self.layout = get_mode(mode).layout(topology)
+        self.keep_logits = False
+
+    def shard(self, inputs: dict) -> tuple[dict, int]:
+        """(this rank's model inputs, the row length before internal padding)."""
+        if "input_ids" not in inputs:
+            raise ValueError(f"prepare_trainer: batches need input_ids (got keys {sorted(inputs)})")
+        input_ids = inputs["input_ids"]
+        batch, length = input_ids.shape
+        for key, value in inputs.items():
+            if key not in PER_TOKEN_KEYS + RESTATED_KEYS and torch.is_tensor(value) and value.dim() >= 2 \
+                    and tuple(value.shape[:2]) == (batch, length):
+                raise ValueError(f"prepare_trainer: batch key {key!r} has a value per token and cannot be sharded; "
+                                 f"supported per-token keys: {list(PER_TOKEN_KEYS)}")
+        if any(key in inputs for key in RESTATED_KEYS) and inputs.get("position_ids") is None:
+            raise ValueError(f"prepare_trainer: {[k for k in RESTATED_KEYS if k in inputs]} without position_ids; "
+                             "packed batches must carry position_ids restarting at each document")
+        self._check_same_batch(input_ids)
+        targets = inputs.get("shift_labels")
+        if targets is None and inputs.get("labels") is not None:
+            targets = F.pad(inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        positions, padding = inputs.get("position_ids"), inputs.get("attention_mask")
+        extra = (-length) % self.layout.multiple
+        if extra:  # pad to a length the layout splits; the pads are masked and have no target
+            if positions is None:
+                positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+            if padding is None:
+                padding = torch.ones_like(input_ids)
+            input_ids, positions, padding = (F.pad(x, (0, extra), value=0) for x in (input_ids, positions, padding))
+            targets = None if targets is None else F.pad(targets, (0, extra), value=IGNORE_INDEX)
+        rank = dist.get_rank() if hf.world_size() > 1 else 0
+        local = prepare_seq_parallel_inputs(self.mode, input_ids, positions, targets, rank, hf.world_size(),
+                                            input_ids.device, attention_mask=padding, **self.options)
+        result = {k: v for k, v in inputs.items() if k not in PER_TOKEN_KEYS + RESTATED_KEYS}
+        result["input_ids"] = local["local_input_ids"]
+        result["position_ids"] = local["local_position_ids"]
+        if local["local_attention_mask"] is not None:
+            result["attention_mask"] = local["local_attention_mask"]
+        if targets is not None:  # already shifted: the loss must not shift again
+            result["labels"] = result["shift_labels"] = local["local_target_ids"]
+        if "local_token_index" in local:
+            result["seq_parallel_index"] = local["local_token_index"]
+        return result, length
+
+    def _check_same_batch(self, input_ids: torch.Tensor) -> None:
+        """Every rank of the SP group must hold the same rows (one all-gather of 4 numbers)."""
+        groups = get_groups(self.topology)
+        if groups.sp is None:
+            return
+        ids = input_ids.long()
+        weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)
+        mine = torch.stack([ids.new_tensor(ids.shape[0]), ids.new_tensor(ids.shape[1]), ids.sum(), (ids * weights).sum()])
+        every = _all_gather(mine, self.topology, groups)
+        if any(not torch.equal(other, every[0]) for other in every):
+            shapes = [tuple(int(v) for v in other[:2]) for other in every]
+            raise ValueError(f"the ranks of a sequence-parallel group got different batches (rows x length by SP rank: "
+                             f"{shapes}); every rank of a group must read the same rows. A sampler or dataset that "
+                             "depends on the process rank (or draws from each process's own random state) causes this.")
+
+    def gather_once_per_sp_group(self, data, use_gather_object=False):
+        """accelerate's gather_for_metrics over the data-parallel groups: SP rank 0's results
+        of each group, with the tail that evened out the groups' batches dropped."""
+        from accelerate.state import GradientState
+        from accelerate.utils import gather, recursively_apply
+
+        if use_gather_object:
+            raise ValueError("prepare_trainer: eval_use_gather_object=True is not supported; evaluation results must be tensors")
+        dp, sp = self.topology.dp_size, self.topology.sp_size
+        state = GradientState()
+
+        def one_per_group(x):
+            x = x.reshape(dp, sp, -1, *x.shape[1:])[:, 0].flatten(0, 1)
+            return x[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else x
+
+        return recursively_apply(one_per_group, gather(data))
+
+    def _sp_group(self):
+        return get_groups(self.topology).sp
+
+    def group_sum(self, loss: torch.Tensor, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluation: (sum of the SP group's token losses, its token count) from each rank's
+        mean over its own tokens."""
+        if targets is None:
+            raise ValueError("prepare_trainer: evaluation batches need labels")
+        count = (targets != IGNORE_INDEX).sum().to(loss.dtype)
+        stats = torch.stack([torch.where(count > 0, loss.detach() * count, torch.zeros_like(count)), count])
+        if self._sp_group() is not None:
+            dist.all_reduce(stats, group=self._sp_group())
+        return stats[0], stats[1]
+
+    def gather_logits(self, outputs, local: dict, row_length: int):
+        others = [key for key, value in outputs.items() if key not in ("loss", "logits") and value is not None]
+        if others:
+            raise ValueError(f"prepare_trainer: predict()/compute_metrics would get {others} of this rank's shard only; "
+                             "only logits are gathered back to whole rows")
+        logits = getattr(outputs, "logits", None)
+        if logits is not None:
+            whole = gather_seq_parallel_outputs(self.mode, logits.detach(), dim=1, token_index=local.get("seq_parallel_index"),
+                                                **self.options)
+            outputs["logits"] = whole[:, :row_length]
+        return outputs
+
+
+def _read_by_sp_group(trainer, topology) -> None:
+    """The trainer's dataloaders, prepared by accelerate as if there were dp_size processes:
+    batch i goes to data-parallel group i % dp_size, read by every rank of the group."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import IterableDataset
+
+    accelerator = trainer.accelerator
+    register = accelerator.prepare_data_loader  # for an already prepared loader it only records it
+    dp_rank = topology.dp_rank(accelerator.process_index)
+
+    def prepare_for_sp_groups(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if not getattr(data_loader, "_is_accelerate_prepared", False):
+            if topology.dp_size > 1 and isinstance(data_loader.dataset, IterableDataset):
+                # accelerate evens out iterable shards by repeating samples, and only its
+                # dispatcher (which slices over every process) knows how many to drop.
+                raise ValueError("prepare_trainer: an IterableDataset (streaming) with several data-parallel groups "
+                                 f"(dp_size={topology.dp_size}) is not supported; use a map-style dataset or sp_size = world size")
+            _seed_shuffling(data_loader, accelerator)
+            _seed_workers_by_group(data_loader, dp_rank)
+            data_loader = prepare_data_loader(
+                data_loader, accelerator.device, num_processes=topology.dp_size, process_index=dp_rank,
+                split_batches=accelerator.split_batches,
+                put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+                rng_types=accelerator.rng_types.copy(),
+                dispatch_batches=False,  # the dispatcher would slice batches over every process
+                even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
+                data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
+                use_stateful_dataloader=accelerator.use_stateful_dataloader,
+            )
+            data_loader._is_accelerate_prepared = True  # what accelerator.prepare marks; register only records it
+        return register(data_loader)
+
+    accelerator.prepare_data_loader = prepare_for_sp_groups
+
+
+def _seed_shuffling(data_loader, accelerator) -> None:
+    """Every rank of an SP group must draw the same order. A sampler without a generator
+    draws its order from the process's own random state; accelerate synchronises that only
+    across the processes it shards over (or replaces a RandomSampler by its seeded one), so
+    give it a generator seeded as accelerate seeds: data_seed, else the process seed."""
+    sampler = getattr(getattr(data_loader, "batch_sampler", None), "sampler", None)
+    if sampler is not None and hasattr(sampler, "generator") and sampler.generator is None:
+        seed = accelerator.dataloader_config.data_seed
+        sampler.generator = torch.Generator().manual_seed(torch.random.initial_seed() if seed is None else seed)
+
+
+def _seed_workers_by_group(data_loader, dp_rank: int) -> None:
+    """The Trainer seeds dataloader workers by process rank; ranks of one SP group must apply
+    the same random transforms, so seed them by data-parallel group."""
+    init = data_loader.worker_init_fn
+    if isinstance(init, functools.partial) and "rank" in init.keywords:
+        data_loader.worker_init_fn = functools.partial(init.func, *init.args, **{**init.keywords, "rank": dp_rank})

@@ -1,0 +1,78 @@
+"""The registry of parallel modes: name -> what the mode does differently.
+
+A mode says how its SP group is split between a ring and Ulysses (`ring_degree`), whether
+the ring part uses the zigzag layout, and which attention function runs over the groups.
+Kernels, ring core, process groups, HF integration and the API are shared.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from easy_context.core.layout import WHOLE_SEQUENCE, Layout
+from easy_context.core.groups import Topology, divisors
+
+__all__ = ["SeqParallelMode", "get_mode", "MODE_NAMES", "BUILT_MODES"]
+
+
+@dataclass(frozen=True)
+class SeqParallelMode:
+    name: str
+    # (sp_size, requested ring_degree or None) -> ring_degree; raises for impossible requests.
+    ring_degree: Callable[[int, Optional[int]], int]
+    zigzag: bool
+    # (q, k, v, scale, groups: SeqParallelGroups, layer=None, mask=None, softcap=None,
+    # sinks=None) -> out; q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D), out (B, Hq, S_local, D);
+    # layer is the HF attention module (a cache key for checkpoint-aware modes); mask a
+    # masking.SequenceMask over the SP group's whole sequence (None: plain causal); softcap
+    # and sinks (Hq,) change the logits (ring.ring_attention). None: the model's own attention.
+    attention: Optional[Callable]
+
+    def topology(self, world_size: int, sp_size: Optional[int] = None, ring_degree: Optional[int] = None) -> Topology:
+        if self.attention is None:  # data_parallel: every rank holds whole sequences
+            if sp_size not in (None, 1) or ring_degree not in (None, 1):
+                raise ValueError(f"data_parallel has no sequence parallelism; got sp_size={sp_size}, ring_degree={ring_degree}")
+            return Topology(world_size, 1, 1)
+        sp = world_size if sp_size is None else sp_size
+        if sp < 1 or world_size % sp:
+            raise ValueError(f"sp_size={sp_size} does not divide the world size {world_size}; choose one of {divisors(world_size)}")
+        return Topology(world_size, sp, self.ring_degree(sp, ring_degree))
+
+    def layout(self, topology: Topology) -> Layout:
+        if self.attention is None or topology.sp_size == 1:
+            return WHOLE_SEQUENCE
+        return Layout(self.zigzag, topology.ring_degree, topology.ulysses_degree)
+
+
+def fixed_ring_degree(mode: str, value_of_sp: Callable[[int], int], hint: str):
+    """A ring_degree rule for modes whose split is fixed; refuses any other request."""
+
+    def rule(sp_size: int, requested: Optional[int]) -> int:
+        value = value_of_sp(sp_size)
+        if requested not in (None, value):
+            raise ValueError(f"{mode} uses ring_degree={value} for sp_size={sp_size}, got ring_degree={requested}; {hint}")
+        return value
+
+    return rule
+
+
+# Every mode the public API knows, and the subpackage that implements it (None: not built yet).
+_MODULES = {
+    "zigzag_ring_attn": "easy_context.modes.zigzag_ring_attn",
+    "dist_flash_attn": "easy_context.modes.dist_flash_attn",
+    "ulysses_attn": "easy_context.modes.ulysses_attn",
+    "usp_attn": "easy_context.modes.usp_attn",
+    "data_parallel": "easy_context.modes.data_parallel",
+}
+MODE_NAMES = tuple(_MODULES)
+BUILT_MODES = tuple(name for name, module in _MODULES.items() if module)
+
+
+def get_mode(name: str) -> SeqParallelMode:
+    if name not in _MODULES:
+        raise ValueError(f"unknown parallel mode {name!r}; choose one of {list(MODE_NAMES)}")
+    if _MODULES[name] is None:
+        raise NotImplementedError(f"parallel mode {name!r} is not built yet; modes that work now: {list(BUILT_MODES)}")
+    return importlib.import_module(_MODULES[name]).MODE

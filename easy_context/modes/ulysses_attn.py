@@ -1,0 +1,132 @@
+"""ulysses_attn: all-to-all between the sequence and the heads (DeepSpeed-Ulysses).
+
+Each rank holds a contiguous piece of the sequence with all heads; an all-to-all turns that
+into the whole sequence with 1/U of the heads, attention runs locally (or, under usp_attn,
+as a ring across Ulysses groups), and a second all-to-all turns it back. The communication
+per rank shrinks as U grows, unlike a ring's.
+
+KV heads: when num_key_value_heads does not split over U (e.g. 2 KV heads at U = 4), each
+KV head is repeated just enough (lcm(Hkv, U) / Hkv times) that every rank receives the KV
+heads its query heads read; autograd sums the repeated heads' gradients back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from easy_context.modes import SeqParallelMode, fixed_ring_degree
+from easy_context.core.groups import divisors
+from easy_context.modes.zigzag_ring_attn import zigzag_ring_attention
+
+
+def _exchange(send: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_single on a contiguous (U, ...) send buffer: piece i goes to rank i, and piece
+    j of the result came from rank j. gloo silently corrupts some strided tensors, so both
+    buffers are contiguous."""
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received
+
+
+# Memory layout: the heads-sharded q/k/v (and dout in the backward) are (B, H/U, S, D) views of
+# (B, S, H/U, D)-dense memory, the layout HF's projections have and the one the kernels want:
+# cpu_flash's backward copies a dout of any other layout (one more tensor alive at the peak of
+# the backward), and the flash kernels take (B, S, H, D) too. Each direction copies once at a
+# batch of one (packing the send buffer, or unpacking the received one), twice above.
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, S/U, D), any strides -> (B, H/U, S, D) over (B, S, H/U, D) memory."""
+    size = dist.get_world_size(group)
+    # piece i: heads [i H/U, (i + 1) H/U) of my positions, packed (B, S/U, H/U, D)
+    send = x.unflatten(1, (size, -1)).permute(1, 0, 3, 2, 4).contiguous()
+    received = _exchange(send, group)  # piece j: positions [j S/U, (j + 1) S/U)
+    del send
+    return received.transpose(0, 1).flatten(1, 2).transpose(1, 2)  # a view at B = 1
+
+
+def _heads_to_seq(y: torch.Tensor, group, like=None) -> torch.Tensor:
+    """(B, H/U, S, D) -> (B, H, S/U, D), with the strides of `like` (any device, meta
+    included) or else over (B, S/U, H, D) memory. No copy before sending when y is a view of
+    (B, S, H/U, D) memory at B = 1 (what the kernels return for _seq_to_heads' layout)."""
+    size = dist.get_world_size(group)
+    # piece i: positions [i S/U, (i + 1) S/U) of my heads, packed (B, S/U, H/U, D)
+    send = y.transpose(1, 2).unflatten(1, (size, -1)).movedim(1, 0).contiguous()
+    received = _exchange(send, group)  # piece j: heads [j H/U, (j + 1) H/U)
+    del send
+    b, heads, seq, d = y.shape
+    if like is None:
+        out = torch.empty(b, seq // size, heads * size, d, dtype=y.dtype, device=y.device).transpose(1, 2)
+    else:
+        out = torch.empty_strided(like.shape, like.stride(), dtype=y.dtype, device=y.device)
+    out.unflatten(1, (size, -1)).copy_(received.permute(1, 0, 3, 2, 4))
+    return out
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        # x's layout (not x: nothing is kept alive), so its gradient obeys autograd's layout
+        # contract and a leaf's .grad is not copied once more by AccumulateGrad
+        ctx.group, ctx.like = group, torch.empty_like(x, device="meta")
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group, ctx.like), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _heads_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def seq_to_heads(x, group):
+    """(B, H, S/U, D) on each rank -> (B, H/U, S, D), a view of (B, S, H/U, D) memory."""
+    return _SeqToHeads.apply(x, group)
+
+
+def heads_to_seq(x, group):
+    """(B, H/U, S, D) on each rank -> (B, H, S/U, D), a view of (B, S/U, H, D) memory."""
+    return _HeadsToSeq.apply(x, group)
+
+
+def ulysses_attention(q, k, v, scale, groups, layer=None, mask=None, softcap=None, sinks=None):
+    """Ulysses over groups.ulysses around a zigzag ring over groups.ring (a local kernel
+    when the ring has one rank). After the all-to-all the ring holds its ring-level share of
+    the whole sequence, so `mask` (over the whole sequence) applies unchanged; each rank
+    applies the sinks (Hq,) of the heads it holds."""
+    degree, group = groups.topology.ulysses_degree, groups.ulysses
+    if group is None:
+        return zigzag_ring_attention(q, k, v, scale, groups.ring, mask, softcap, sinks)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % degree:
+        sp = groups.topology.sp_size
+        working = [u for u in divisors(sp) if heads % u == 0]
+        raise ValueError(
+            f"num_attention_heads={heads} does not split over ulysses_degree={degree}; Ulysses degrees "
+            f"that work with sp_size={sp}: {working} (usp_attn with ring_degree in {[sp // u for u in working]}, "
+            "or zigzag_ring_attn which has no head constraint)"
+        )
+    repeat = math.lcm(kv_heads, degree) // kv_heads
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    q, k, v = (seq_to_heads(x, group) for x in (q, k, v))
+    if sinks is not None:  # rank i of the Ulysses group now holds query heads [i H/U, (i + 1) H/U)
+        sinks = sinks.unflatten(0, (degree, -1))[dist.get_rank(group)]
+    return heads_to_seq(zigzag_ring_attention(q, k, v, scale, groups.ring, mask, softcap, sinks), group)
+
+
+MODE = SeqParallelMode(
+    "ulysses_attn",
+    ring_degree=fixed_ring_degree("ulysses_attn", lambda sp: 1, "use usp_attn to add a ring"),
+    zigzag=False,
+    attention=ulysses_attention,
+)

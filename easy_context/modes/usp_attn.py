@@ -1,0 +1,22 @@
+"""usp_attn: Ulysses x ring (unified sequence parallelism).
+
+sp_size = ulysses_degree x ring_degree. Ulysses runs over neighbouring ranks (inside a
+node), a zigzag ring over strided ranks (across nodes). Only the split of the SP group
+differs from ulysses_attn; the attention function is the same.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from easy_context.modes import SeqParallelMode
+from easy_context.modes.ulysses_attn import ulysses_attention
+
+
+def _ring_degree(sp_size: int, requested: Optional[int]) -> int:
+    # Default: pure Ulysses (the least communication); pass ring_degree when the heads
+    # don't split over sp_size, or to run the ring across nodes.
+    return 1 if requested is None else requested
+
+
+MODE = SeqParallelMode("usp_attn", ring_degree=_ring_degree, zigzag=True, attention=ulysses_attention)

@@ -1,0 +1,68 @@
+"""zigzag_ring_attn: ring attention over a zigzag layout.
+
+The sequence is cut into 2P chunks and rank r keeps chunks r and 2P-1-r. With causal
+attention every ring step then costs each rank the same: half of a full local block.
+Under a mask (packed documents, padding, windows) the blocks come from the mask's plan on
+the same layout, and ring steps nobody needs are skipped.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from easy_context.core.layout import Layout
+from easy_context.core.masking import Block
+from easy_context.modes import SeqParallelMode, fixed_ring_degree
+from easy_context.core.ring import MaskedRingPlan, ring_attention
+
+_ALL = slice(None)
+
+
+class ZigzagPlan:
+    """Blocks of the causal zigzag ring; local rows are [chunk r | chunk 2P-1-r]."""
+
+    masked = False
+
+    def needs(self, step, rank, size):
+        return True
+
+    def blocks(self, step, rank, size, q_len, kv_len):
+        if step == 0:
+            return [Block(_ALL, _ALL, causal=True)]
+        source = (rank - step) % size
+        if source < rank:
+            # Both of our chunks come after the source's first chunk and before its second.
+            return [Block(_ALL, slice(0, kv_len // 2), causal=False)]
+        # Only our second chunk (2P-1-r) comes after both of the source's chunks.
+        return [Block(slice(q_len // 2, None), _ALL, causal=False)]
+
+
+PLAN = ZigzagPlan()
+
+
+def ring_plan(mask, group, local_len: int, device):
+    """The plan for `mask` (a SequenceMask or None) on the zigzag layout of `group`."""
+    if mask is None or mask.is_causal:
+        return PLAN
+    size = dist.get_world_size(group) if group is not None else 1
+    if mask.ring_index is not None:  # document_split: a layout of its own per row
+        return MaskedRingPlan(mask, mask.ring_index.__getitem__, "document_split", device)
+    layout, seq_len = Layout(zigzag=True, ring_degree=size), local_len * size
+    return MaskedRingPlan(mask, lambda r: layout.local_indices(seq_len, r), (layout, seq_len), device)
+
+
+def zigzag_ring_attention(q, k, v, scale, group=None, mask=None, softcap=None, sinks=None):
+    """Causal attention of zigzag-sharded q/k/v over the ranks of `group`; `mask` (a
+    SequenceMask over the group's whole sequence) restricts it further; softcap and sinks as
+    in ring.ring_attention."""
+    return ring_attention(q, k, v, scale, ring_plan(mask, group, q.shape[2], q.device), group, softcap, sinks)
+
+
+MODE = SeqParallelMode(
+    "zigzag_ring_attn",
+    ring_degree=fixed_ring_degree("zigzag_ring_attn", lambda sp: sp, "use usp_attn to mix a ring with Ulysses"),
+    zigzag=True,
+    attention=lambda q, k, v, scale, groups, layer=None, mask=None, **logits: zigzag_ring_attention(
+        q, k, v, scale, groups.ring, mask, **logits
+    ),
+)

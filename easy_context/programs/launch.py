@@ -1,0 +1,261 @@
+"""How the scripts start, fail and stop, the same way everywhere.
+
+- make_accelerator: NCCL on GPUs, DDP over gloo on CPU, DeepSpeed kept, a bounded timeout.
+- fail / exit codes: a one-line message, and every rank leaves (no peer left waiting).
+- script_failures: a stuck or dead peer, or a refusal raised mid-run, becomes one line naming
+  the step and the phase.
+- shutdown, exit_process: engines, group handles and process groups torn down in order, then
+  the process ends, so a finished run exits 0 every time.
+- injected_fault: deterministic failures for the tests of the paths above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["make_accelerator", "add_dist_timeout_flag", "fail", "script_failures", "Stage", "run_job", "run_main", "shutdown", "exit_process",
+           "injected_fault", "EXIT_BAD_INPUT", "EXIT_NONFINITE_LOSS", "EXIT_DIST_FAILURE", "DEFAULT_DIST_TIMEOUT"]
+
+EXIT_BAD_INPUT = 2       # argparse's convention: nothing ran, fix the command
+EXIT_NONFINITE_LOSS = 3  # training stopped on an inf/NaN loss (a checkpoint of the last good step was saved)
+EXIT_DIST_FAILURE = 4    # a collective timed out or a peer died: worth a retry from the last checkpoint
+
+# 10 minutes. A collective waits for the slowest peer, not for the step: at 1M tokens a step
+# takes minutes but every rank runs it in lockstep. What legitimately holds one rank back
+# while its peers wait is I/O on one rank: rank 0 writing a 7B model (14 GB in bf16) or its
+# share of a ZeRO-3 checkpoint (84 GB over all ranks) to network storage takes 1-5 minutes.
+# 10 minutes covers that twice, and is 3x shorter than gloo's default (30 min).
+DEFAULT_DIST_TIMEOUT = 600.0
+
+
+MAX_DIST_TIMEOUT = 1e6  # seconds (11.6 days): torch keeps timeouts in int32 milliseconds up to 2.1e6 s
+
+
+def _dist_timeout(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_DIST_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, {MAX_DIST_TIMEOUT:g}], got {text!r}")
+    return seconds
+
+
+def add_dist_timeout_flag(parser) -> None:
+    parser.add_argument("--dist-timeout", type=_dist_timeout, default=DEFAULT_DIST_TIMEOUT, metavar="SECONDS",
+                        help="longest wait for a peer in any collective before every rank stops with a message "
+                             f"(default {DEFAULT_DIST_TIMEOUT:g} s)")
+
+
+def make_accelerator(dist_timeout: float | None = None, **kwargs):
+    """An accelerate.Accelerator whose gradients are synchronised on every machine.
+
+    Under torchrun on a machine without CUDA, a plain Accelerator reports DistributedType.NO
+    and never wraps the model in DDP: every rank would step on its own shard's gradient.
+    `cpu=True` gives MULTI_CPU (DDP over gloo) instead. DeepSpeed synchronises gradients
+    itself, and cpu=True would silently drop it, so under `accelerate launch --use_deepspeed`
+    we only ask for a gloo process group. `dist_timeout` (seconds) bounds every collective,
+    ours included (our groups inherit it: process_groups.world_timeout).
+    """
+    from easy_context.versions import check_supported
+
+    check_supported("accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    init = {} if dist_timeout is None else {"timeout": datetime.timedelta(seconds=dist_timeout)}
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and not _has_accelerator():
+        if _deepspeed_requested(kwargs):
+            init["backend"] = "gloo"
+        else:
+            kwargs.setdefault("cpu", True)
+    if init:
+        kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), InitProcessGroupKwargs(**init)]
+    accelerator = Accelerator(**kwargs)
+    if launched and accelerator.distributed_type.name == "NO":
+        raise ValueError(f"accelerate runs each of the {os.environ['WORLD_SIZE']} processes on its own "
+                           "(DistributedType.NO): gradients would never be averaged")
+    return accelerator
+
+
+def _has_accelerator() -> bool:
+    """CUDA, or another device torch knows (XPU, NPU, ...): accelerate picks its backend."""
+    if torch.cuda.is_available():
+        return True
+    device_api = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return bool(device_api is not None and device_api.is_available())
+
+
+def _deepspeed_requested(kwargs) -> bool:
+    from accelerate.utils import str_to_bool
+
+    return kwargs.get("deepspeed_plugin") is not None or bool(str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")))
+
+
+# ------------------------------------------------------------------------------- failing
+def fail(script: str, message: str, code: int = EXIT_BAD_INPUT):
+    """A clear message instead of a traceback, then SystemExit(code): every rank runs the same
+    checks and leaves the same way; a peer left in a collective with this rank sees it go
+    and stops too (script_failures). `run_main` turns the SystemExit into the exit code."""
+    print(f"{script}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run_main(main) -> None:
+    """A script's `__main__`: run main(), then end the process with its exit code (0, or the
+    SystemExit's), see exit_process. A SIGTERM (torchrun stopping a rank whose peer failed)
+    first prints every thread's stack: the stuck rank shows where it was."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    exit_process(code)
+
+
+def exit_process(code: int = 0):
+    """End the process with `code` after Python's own exit handlers (trackers such as wandb,
+    logging) have run, but without the interpreter's teardown.
+
+    Why: that teardown runs C++ static destructors while threads of gloo and c10d may still
+    exist, and rarely that aborts a finished run ("terminate called without an active
+    exception", SIGABRT; seen once in six DeepSpeed runs, and in our test harness even after
+    destroy_process_group). Whoever checks the exit code would call a finished run failed."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()  # what a normal exit would run first; the C++ teardown is what we skip
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class Stage:
+    """Where a script is (step and phase), for the message when a run ends early."""
+
+    def __init__(self, phase: str = "setup"):
+        self.step, self.phase = None, phase
+
+    def at(self, phase: str, step: int | None = None) -> "Stage":
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        return self
+
+    def __str__(self):
+        return self.phase if self.step is None else f"step {self.step} ({self.phase})"
+
+
+# What gloo and NCCL say when a peer is late or gone (gloo raises plain RuntimeErrors).
+_BACKEND_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "pair closure", "Connection reset by peer",
+                     "gloo/transport", "NCCL error")
+
+
+def _is_backend_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(error, getattr(dist, "DistError", ())) or any(s in str(error) for s in _BACKEND_FAILURES)
+
+
+def _origin(error: BaseException) -> str:
+    """file:line where an exception was raised: one line stays one line, and a ValueError
+    that is a bug rather than a refusal can still be found."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+@contextlib.contextmanager
+def script_failures(script: str, stage: Stage, timeout: float | None):
+    """One line, never a traceback, for the ways a started run ends early:
+    - a refusal (ValueError) raised by the library mid-run, e.g. a prompt that does not fit
+      or a kernel forced by EASY_CONTEXT_KERNEL that cannot run here, and an OSError (a
+      missing or unreadable file, a full disk): exit EXIT_BAD_INPUT, naming the phase and
+      where it was raised;
+    - a collective that times out (a stuck peer) or breaks (a dead peer): exit
+      EXIT_DIST_FAILURE, naming the rank, the step and the phase. On gloo, that is; NCCL's
+      watchdog aborts the process itself (see --dist-timeout in the README)."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        fail(script, f"{stage}: {error} (raised at {_origin(error)})")
+    except RuntimeError as error:
+        if not _is_backend_failure(error):
+            raise
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        limit = f"--dist-timeout {timeout:g} s" if timeout is not None else "the backend's timeout"
+        detail = " ".join(str(error).split())[:300]
+        # No teardown of the broken group: run_main ends the process without it.
+        fail(script, f"rank {rank}, {stage}: a collective failed ({detail}). A peer is stuck past {limit} or died "
+                     "(a stuck rank stopped by the launcher prints its stack); resume from the last checkpoint.",
+             EXIT_DIST_FAILURE)
+
+
+# ----------------------------------------------------------------------- a script's run
+def run_job(script: str, job, args, **accelerator_kwargs):
+    """The scripts' frame: make the accelerator, run job(args, accelerator, stage), shut down
+    cleanly; a refusal or a failed collective anywhere in it ends as one line (script_failures)."""
+    stage = Stage()
+    with script_failures(script, stage, args.dist_timeout):
+        accelerator = make_accelerator(dist_timeout=args.dist_timeout, **accelerator_kwargs)
+        result = job(args, accelerator, stage)
+        stage.at("shutdown")
+        shutdown(accelerator)
+    return result
+
+
+# ------------------------------------------------------------------------------ stopping
+def shutdown(accelerator=None) -> None:
+    """Stop cleanly: wait for every peer (rank 0 may still be saving), release the models and
+    the DeepSpeed engine, forget our group handles, then destroy the process groups while the
+    interpreter is fully alive. Gloo groups still referenced at interpreter exit can abort
+    the process ("terminate called without an active exception") after a finished run."""
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+        for tracker in accelerator.trackers:
+            tracker.finish()
+        accelerator.free_memory()  # destroys the DeepSpeed engine too
+    import torch.distributed as dist
+
+    from easy_context.core.groups import release_groups
+
+    release_groups()
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------- testing
+def injected_fault(point: str, step: int, rank: int) -> str | None:
+    """For the tests of failure paths: EASY_CONTEXT_FAULT="point@step:rank[:value]" makes
+    `point` fire at that step on that rank (returns value, or "" when none is given).
+    Points in train.py: hang (sleep value seconds before the forward), die_in_save (the
+    process dies after writing its part of the checkpoint), nonfinite_loss (in micro-batch
+    `value` of the step, or in all of them)."""
+    spec = os.environ.get("EASY_CONTEXT_FAULT")
+    if not spec or "@" not in spec:
+        return None
+    name, _, where = spec.partition("@")
+    fields = where.split(":")
+    if name != point or len(fields) < 2 or (int(fields[0]), int(fields[1])) != (step, rank):
+        return None
+    return fields[2] if len(fields) > 2 else ""

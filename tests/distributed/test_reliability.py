@@ -1,0 +1,120 @@
+"""Failure paths of train.py under torchrun (gloo): a stuck rank is bounded by --dist-timeout,
+a save killed midway never becomes `latest`, a non-finite loss stops training (or is skipped),
+and our process groups inherit the script's timeout. Failures are made deterministic with
+EASY_CONTEXT_FAULT (easy_context.programs.launch.injected_fault)."""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--parallel_mode", "zigzag_ring_attn"]
+
+
+def torchrun(out, *flags, fault=None, timeout=240):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "train.py"), "--output-dir", str(out), *SMALL, *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("EASY_CONTEXT_FAULT", None)
+    if fault:
+        env["EASY_CONTEXT_FAULT"] = fault
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def log(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_a_stuck_rank_stops_every_rank_within_the_timeout(tmp_path):
+    timeout = 15
+    started = time.monotonic()
+    # rank 1 sleeps well past the limit before its step-3 forward; rank 0 waits for it there
+    result = torchrun(tmp_path / "run", "--max-train-steps", "4", "--dist-timeout", str(timeout),
+                      fault=f"hang@3:1:{timeout + 120}", timeout=timeout + 200)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert elapsed < timeout + 60, elapsed
+    assert "train.py: error: rank 0, step 3 (forward): a collective failed" in result.stderr, result.stderr[-3000:]
+    assert f"--dist-timeout {timeout} s" in result.stderr and "Timed out waiting 15000ms" in result.stderr
+    assert "exitcode  : 4" in result.stderr  # EXIT_DIST_FAILURE, not a traceback
+    assert "(most recent call first)" in result.stderr  # rank 1, stopped by torchrun, shows where it was stuck
+
+
+@pytest.mark.timeout(600)
+def test_a_save_killed_midway_resumes_from_the_previous_checkpoint_exactly(tmp_path):
+    flags = ["--max-train-steps", "6", "--checkpointing-steps", "2", "--save-total-limit", "1"]
+    straight = tmp_path / "straight"
+    assert torchrun(straight, *flags).returncode == 0
+    assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-4"]  # checkpoint-2 pruned
+
+    killed = tmp_path / "killed"
+    result = torchrun(killed, *flags, fault="die_in_save@4:1")  # rank 1 dies after writing its part
+    assert result.returncode != 0
+    assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4.partial"]
+
+    result = torchrun(killed, *flags, "--resume-from-checkpoint", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {killed / 'checkpoint-2'} at step 2" in result.stdout
+    want = [e["loss"] for e in log(straight)]
+    assert [e["loss"] for e in log(killed)[-4:]] == want[2:]  # steps 3-6, bit for bit
+    assert same_tensors(load_file(straight / "model.safetensors"), load_file(killed / "model.safetensors"))
+    assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-4"]  # partial cleaned, limit kept
+
+
+@pytest.mark.timeout(600)
+def test_a_nonfinite_loss_stops_after_a_checkpoint_and_can_be_skipped(tmp_path):
+    out = tmp_path / "run"
+    flags = ["--max-train-steps", "4", "--gradient-accumulate-every", "2"]
+    # Rank 1's loss is NaN in the first of step 3's two micro-batches: the second must do no work.
+    result = torchrun(out, *flags, fault="nonfinite_loss@3:1:0")
+    assert result.returncode != 0  # torchrun's own code; each rank's is in its failure summary
+    assert ("train.py: error: step 3: non-finite loss on rank(s) [1] (their loss sums: [nan]; mean over all ranks nan); "
+            "stopped before the optimizer step") in result.stderr, result.stderr[-3000:]
+    assert "resume it with --skip-nonfinite-steps 1" in result.stderr and "exitcode  : 3" in result.stderr
+    assert (out / "checkpoint-2" / "trainer_state.json").exists()  # the last good step is kept
+
+    # The same bad batch again, now allowed to skip one step, saving a checkpoint after each.
+    result = torchrun(out, *flags, "--resume-from-checkpoint", "latest", "--skip-nonfinite-steps", "1",
+                      "--checkpointing-steps", "1", fault="nonfinite_loss@3:1:0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    entries = log(out)
+    assert [e["step"] for e in entries] == [1, 2, 3, 4] and entries[2]["skipped"] and entries[2]["loss"] is None
+    assert entries[2]["lr"] == entries[1]["lr"] and entries[3]["loss"] is not None  # no schedule step either
+    # A skipped step changes nothing: the weights and optimizer state after it are step 2's.
+    before, after = out / "checkpoint-2", out / "checkpoint-3"
+    assert same_tensors(load_file(before / "model.safetensors"), load_file(after / "model.safetensors"))
+    opt_before = torch.load(before / "optimizer.bin", weights_only=False)["state"]
+    opt_after = torch.load(after / "optimizer.bin", weights_only=False)["state"]
+    assert opt_before.keys() == opt_after.keys() and all(same_tensors(opt_before[k], opt_after[k]) for k in opt_before)
+    assert json.loads((after / "trainer_state.json").read_text())["skipped_steps"] == 1
+
+
+def group_timeouts(rank, world_size):
+    import torch.distributed as dist
+
+    from easy_context.core.groups import Topology, get_groups, world_timeout
+
+    groups = get_groups(Topology(world_size, 2, 1))  # two SP groups of 2: real subgroups
+    backend = groups.sp._get_backend(torch.device("cpu"))
+    return world_timeout(), backend.options._timeout, dist.get_world_size(groups.sp)
+
+
+@pytest.mark.timeout(120)
+def test_our_process_groups_inherit_the_scripts_timeout():
+    for world, sub, size in run_ranks(group_timeouts, 4):  # run_ranks creates WORLD with a 90 s timeout
+        assert world == sub == datetime.timedelta(seconds=90) and size == 2

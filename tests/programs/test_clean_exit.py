@@ -1,0 +1,31 @@
+"""User scripts exit clean: a plain Trainer script with prepare_trainer and a plain custom loop
+with the patch, neither of which tears anything down, exit 0 every time under torchrun on gloo
+(the library's exit teardown, easy_context.core.groups.register_exit_teardown). Without
+it about 1 run in 24 aborted after finishing ("terminate called without an active exception")."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
+RUNS = 20
+
+
+def _torchrun(script: Path, port_dir) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=port_dir)
+
+
+@pytest.mark.timeout(RUNS * 2 * 60)
+@pytest.mark.parametrize("script", ["plain_trainer.py", "plain_loop.py"])
+def test_user_scripts_exit_0_every_time(script, tmp_path):
+    failures = []
+    for run in range(RUNS):
+        result = _torchrun(SCRIPTS / script, tmp_path)
+        if result.returncode != 0:
+            failures.append(f"run {run}: exit {result.returncode}\n{result.stderr[-2000:]}")
+    assert not failures, f"{len(failures)} of {RUNS} runs of {script} failed:\n" + "\n".join(failures)

@@ -1,0 +1,103 @@
+"""scripts/gpu_check.sh and the checks it runs, on a machine without a GPU.
+
+The dry run runs every section at CPU sizes; check_kernels must fail a wrong backend and
+bench_kernels must time our layer next to SDPA with matching outputs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import check_kernels  # noqa: E402
+
+from easy_context import kernels  # noqa: E402
+
+
+@pytest.mark.timeout(60)
+def test_check_kernels_passes_every_cpu_backend():
+    rows = check_kernels.check(torch.device("cpu"), torch.bfloat16, 128, 32)
+    assert {r["backend"] for r in rows} == set(kernels.available_backends("cpu", torch.bfloat16, 32))
+    assert {r["case"] for r in rows} == {"causal", "rectangular", "documents"}
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+
+
+@pytest.mark.timeout(60)
+def test_check_kernels_fails_a_wrong_backend(monkeypatch):
+    """A backend whose gradient is off by 1% (well inside bf16's eps of 2^-8 relative per
+    element, but not of its sum over a row) and one whose lse is off by 1e-3 fail their rows."""
+    math = kernels._BACKENDS["math"]
+
+    def bad_backward(*args, **kwargs):
+        dq, dk, dv = math.backward(*args, **kwargs)
+        return dq, dk * 1.01, dv
+
+    def bad_forward(*args, **kwargs):
+        out, lse = math.forward(*args, **kwargs)
+        return out, lse + 1e-3 * lse.abs()
+
+    monkeypatch.setitem(kernels._BACKENDS, "math", math._replace(backward=bad_backward))
+    rows = check_kernels.check(torch.device("cpu"), torch.float32, 128, 32)
+    assert [r["ok"] for r in rows if r["backend"] == "math"] == [False] * 3
+    assert all(r["ok"] for r in rows if r["backend"] != "math")
+    monkeypatch.setitem(kernels._BACKENDS, "math", math._replace(forward=bad_forward))
+    rows = check_kernels.check(torch.device("cpu"), torch.float32, 128, 32)
+    assert [r["lse_relative"] > 5e-4 and not r["ok"] for r in rows if r["backend"] == "math"] == [True] * 3
+
+
+@pytest.mark.timeout(120)
+def test_bench_kernels_rows(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--device", "cpu", "--seq-len", "256",
+                          "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--iters", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=110)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("sdpa", "kernel:cpu_flash", "kernel:math", "zigzag_ring_attn P=1", "dist_flash_attn P=1"):
+        assert rows[name]["ms"] > 0 and rows[name]["max_err"] < 1e-5, (name, rows[name])
+    assert rows["flash_attn"].get("ms") or rows["flash_attn"]["error"].startswith("not installed")
+
+
+@pytest.mark.timeout(900)
+def test_gpu_check_dry_run(tmp_path):
+    """Every section passes on CPU (peers: skipped, not installed); one results file."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this interpreter's python
+    env["PYTHON"] = sys.executable
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=880, env=env)
+    results = (tmp_path / "gpu_check.md").read_text()
+    assert run.returncode == 0, run.stdout[-3000:] + results[-6000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.md"]
+    summary = results.split("## Summary")[1]
+    for section in ("env", "kernels", "modes_p1", "modes_p2", "bench", "train"):
+        assert f"| {section} | PASS |" in summary, summary
+    assert "| peers | SKIP |" in summary or "| peers | PASS |" in summary
+    # the sections' own tables made it into the file
+    assert "kernel backends vs fp64 on cpu" in results and "| all_bf16 |" in results
+    assert results.count("ok") >= 8 and " NO" not in results.split("## bench")[0]
+
+
+def test_gpu_check_refuses_bad_arguments(tmp_path):
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--frobnicate"], capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2 and "unknown argument '--frobnicate'" in run.stderr
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_deadline_reports_what_did_not_run(tmp_path):
+    """A deadline too short for every section: the ones left out are reported as not run, the
+    summary is still written, and the run fails."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["PYTHON"] = sys.executable
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--deadline", "30", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=170, env=env)
+    summary = (tmp_path / "gpu_check.md").read_text().split("## Summary")[1]
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "| env | PASS |" in summary and "| train | FAIL (not run: the 30 s deadline was reached) |" in summary

@@ -1,0 +1,328 @@
+"""Every local kernel backend against a float64 reference: out, lse and gradients."""
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from easy_context.core import kernels
+from easy_context.core.ring import merge_block
+
+CPU_BACKENDS = kernels.available_backends("cpu", torch.float32)
+# The lse is fp32 whatever the inputs' dtype: bf16 inputs get their own lse bound, not the
+# bf16 out's 3e-2 (measured: at most 6.3e-5 for bf16, 1e-6 for fp32).
+LSE_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-3}
+
+
+def reference(q, k, v, causal, scale, mask=None, softcap=None, sinks=None):
+    """float64 attention with autograd; returns out and lse. Rows with no allowed key: out 0,
+    lse -inf, and (their lse being computed over zeros instead) no NaN in any gradient.
+    softcap: logits c * tanh(s / c); sinks (Hq,): a logit per head joining every row's
+    softmax with a zero value (the lse includes it)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if sinks is not None:  # a last key column: the sink's logit, its value zero
+        scores = torch.cat([scores, sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], -2)
+        mask = None if mask is None else torch.cat([mask.expand(*mask.shape[:-1], k.shape[2]),
+                                                    mask.new_ones(*mask.shape[:-1], 1)], -1)
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+        if sinks is not None:
+            allowed[:, -1] = True
+    if mask is not None:
+        allowed = allowed & mask
+    scores = scores.masked_fill(~allowed, -math.inf)
+    empty = ~allowed.any(-1, keepdim=True)
+    lse = scores.masked_fill(empty, 0).logsumexp(-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse.squeeze(-1).masked_fill(empty.squeeze(-1), -math.inf)
+
+
+def inputs(hq, hkv, sq, sk, dtype, d=16, seed=0, layout="bhsd"):
+    """q, k, v, dout as (B, H, S, D); layout "bshd": transposed views of (B, S, H, D)-dense
+    tensors, the way HF hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "bhsd":
+        make = lambda h, s: torch.randn(2, h, s, d, generator=g).to(dtype)  # noqa: E731
+    else:
+        make = lambda h, s: torch.randn(2, s, h, d, generator=g).to(dtype).transpose(1, 2)  # noqa: E731
+    return make(hq, sq), make(hkv, sk), make(hkv, sk), make(hq, sq)
+
+
+def make_mask(kind, sq, sk, seed=0):
+    """Bool masks broadcastable to (B=2, 1, Sq, Sk), each with the shape a caller would pass."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":  # with rows that allow no key: row 3 everywhere, row 5 in batch 0 only
+        mask = torch.rand(2, 1, sq, sk, generator=g) < 0.4
+        mask[:, :, 3] = False
+        mask[0, :, 5] = False
+        return mask
+    if kind == "causal":  # bottom-right aligned causal, as a (Sq, Sk) plane for every batch row
+        return torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    if kind == "block_diagonal":  # packed documents, boundaries differ per batch row
+        q_pos, k_pos = torch.arange(sq) * sk // sq, torch.arange(sk)
+        planes = []
+        for bounds in ([sk // 3, sk // 2], [sk // 4]):
+            doc = lambda pos: torch.bucketize(pos, torch.tensor(bounds), right=True)  # noqa: E731
+            planes.append(doc(q_pos)[:, None] == doc(k_pos)[None, :])
+        return torch.stack(planes)[:, None]
+    if kind == "key_padding":  # (B, 1, 1, Sk): batch 1 has its last keys padded, batch 0 all of them
+        mask = torch.ones(2, 1, 1, sk, dtype=torch.bool)
+        mask[0] = False
+        mask[1, ..., sk - 7 :] = False
+        return mask
+    raise ValueError(kind)
+
+
+def assert_close(got, want, tol):
+    """Equal -inf pattern, then |got - want| <= tol elsewhere, and no NaN anywhere."""
+    assert not torch.isnan(got).any()
+    got, want = got.double(), want.double()
+    assert torch.equal(got == -math.inf, want == -math.inf)
+    finite = want != -math.inf
+    assert (got[finite] - want[finite]).abs().max() <= tol
+
+
+def test_cpu_flash_backend_is_available_here():
+    # Pins the private aten op this package relies on; the CI torch must have it.
+    assert CPU_BACKENDS == ["cpu_flash", "math"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    "hq,hkv,sq,sk,causal",
+    [(4, 4, 64, 64, True), (4, 2, 64, 64, True), (4, 1, 48, 48, True), (4, 2, 32, 96, False), (4, 4, 96, 32, False)],
+)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_backend_matches_reference(backend, dtype, tol, hq, hkv, sq, sk, causal, layout):
+    q, k, v, dout = inputs(hq, hkv, sq, sk, dtype, layout=layout)
+    scale = 0.3
+    be = kernels._BACKENDS[backend]
+    out, lse = kernels.attention_forward(q, k, v, causal, scale, be)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, hq, sq)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference(qr, kr, vr, causal, scale)
+    ref_out.backward(dout.double())
+    assert (out.double() - ref_out).abs().max() <= tol
+    assert (lse.double() - ref_lse).abs().max() <= LSE_TOL[dtype]
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal, scale, be)
+    assert dk.shape == k.shape and dv.shape == v.shape  # GQA: grads keep the KV-head shape
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert (got.double() - want).abs().max() <= tol * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("hq,hkv,sq,sk", [(4, 4, 48, 48), (4, 2, 32, 80), (4, 1, 72, 40)])
+@pytest.mark.parametrize("kind", ["random", "causal", "block_diagonal", "key_padding"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_masked_backend_matches_reference(backend, dtype, tol, hq, hkv, sq, sk, kind, layout):
+    q, k, v, dout = inputs(hq, hkv, sq, sk, dtype, layout=layout, seed=1)
+    mask, scale = make_mask(kind, sq, sk), 0.3
+    be = kernels._BACKENDS[backend]
+    assert be.supports_mask
+    out, lse = kernels.attention_forward(q, k, v, False, scale, be, mask=mask)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, hq, sq)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference(qr, kr, vr, False, scale, mask)
+    ref_out.backward(dout.double())
+    assert_close(out, ref_out, tol)
+    assert_close(lse, ref_lse, LSE_TOL[dtype])
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, False, scale, be, mask=mask)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert_close(got, want, tol * max(1.0, want.abs().max().item()))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_with_no_allowed_key_give_zero_out_minus_inf_lse_and_zero_grads(backend, dtype):
+    q, k, v, dout = inputs(4, 2, 24, 40, dtype, layout="bshd")
+    mask = make_mask("random", 24, 40)
+    empty = ~mask.any(-1)  # (2, 1, 24)
+    assert empty[:, 0, 3].all() and empty[0, 0, 5] and not empty[1, 0, 5]
+    be = kernels._BACKENDS[backend]
+    out, lse = kernels.attention_forward(q, k, v, False, 0.25, be, mask=mask)
+    rows = empty.expand(2, 4, 24)
+    assert (out[rows] == 0).all() and (lse[rows] == -math.inf).all()
+    assert torch.isfinite(lse[~rows]).all() and not torch.isnan(out).any()
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, False, 0.25, be, mask=mask)
+    assert (dq[rows] == 0).all()
+    for grad in (dq, dk, dv):
+        assert torch.isfinite(grad).all()
+    # Those rows add nothing to dK/dV: the gradients equal those of the same call without them.
+    keep = ~empty[:, 0, :]  # batch 1 only lacks row 3; compare batch 1 over its kept rows
+    rows1 = keep[1].nonzero().squeeze(1)
+    sub = lambda x: x[1:, :, rows1]  # noqa: E731
+    sub_out, sub_lse = kernels.attention_forward(sub(q), k[1:], v[1:], False, 0.25, be, mask=mask[1:, :, rows1])
+    _, sub_dk, sub_dv = kernels.attention_backward(
+        sub(dout), sub(q), k[1:], v[1:], sub_out, sub_lse, False, 0.25, be, mask=mask[1:, :, rows1]
+    )
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # measured: equal; bf16's bound is about one ulp
+    assert (dk[1:].float() - sub_dk.float()).abs().max() <= tol
+    assert (dv[1:].float() - sub_dv.float()).abs().max() <= tol
+
+
+def test_mask_shapes_broadcast_and_bad_masks_are_clear_errors():
+    q, k, v, _ = inputs(4, 2, 16, 24, torch.float32)
+    be = kernels._BACKENDS["math"]
+    plane = make_mask("causal", 16, 24)
+    full = kernels.attention_forward(q, k, v, False, 0.3, be, mask=plane.expand(2, 1, 16, 24))
+    for shaped in (plane, plane[None], plane[None, None]):
+        got = kernels.attention_forward(q, k, v, False, 0.3, be, mask=shaped)
+        assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
+    with pytest.raises(ValueError, match="causal"):
+        kernels.attention_forward(q[:, :, :16], k[:, :, :16], v[:, :, :16], True, 0.3, be, mask=plane[:, :16])
+    with pytest.raises(TypeError, match="bool"):
+        kernels.attention_forward(q, k, v, False, 0.3, be, mask=plane.float())
+    with pytest.raises(ValueError, match="broadcast"):
+        kernels.attention_forward(q, k, v, False, 0.3, be, mask=plane.expand(2, 4, 16, 24))  # per-head
+    with pytest.raises(ValueError, match="cannot take a mask"):
+        kernels.attention_forward(q, k, v, False, 0.3, kernels._BACKENDS["cuda_flash"], mask=plane)
+
+
+def test_masked_calls_pick_a_backend_that_takes_a_mask(monkeypatch):
+    q = torch.zeros(1, 2, 4, 8)
+    assert kernels.select_backend(q, masked=True).name == "cpu_flash"
+    monkeypatch.setenv("EASY_CONTEXT_KERNEL", "math")
+    assert kernels.select_backend(q, masked=True).name == "math"
+    # A forced backend that cannot take a mask serves unmasked calls; masked ones fall back.
+    monkeypatch.setattr(kernels, "_usable_backends", lambda *key: ("cuda_flash", "cuda_efficient", "math"))
+    monkeypatch.setenv("EASY_CONTEXT_KERNEL", "cuda_flash")
+    assert kernels.select_backend(q).name == "cuda_flash"
+    assert kernels.select_backend(q, masked=True).name == "cuda_efficient"
+
+
+def test_masked_forward_counts_allowed_pairs_per_batch_row():
+    q, k, v, _ = inputs(4, 2, 24, 40, torch.float32)
+    mask = make_mask("random", 24, 40)
+    counter = kernels.FORWARD_CALLS
+    counter.reset()
+    kernels.attention_forward(q, k, v, False, 0.3, mask=mask)
+    kernels.attention_forward(q, k, v, False, 0.3, mask=mask[:1])  # one plane for both rows
+    kernels.attention_forward(q, k, v, False, 0.3)
+    first, second = mask[0].sum().item(), mask[1].sum().item()
+    assert counter.calls == 3
+    assert counter.products == (first + second + 1) // 2 + first + 24 * 40
+    counter.enabled = False
+    try:
+        kernels.attention_forward(q, k, v, False, 0.3, mask=mask)
+        assert counter.calls == 3
+    finally:
+        counter.enabled = True
+        counter.reset()
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_flash_takes_transposed_views_without_copies():
+    q, k, v, dout = inputs(4, 2, 32, 48, torch.bfloat16, layout="bshd")
+    be = kernels._BACKENDS["cpu_flash"]
+    out, lse = be.forward(q, k, v, False, 0.3)
+    lse_rows = torch.empty(2, 4, 64)[:, :, :32].copy_(lse)  # a row slice of a ring's lse
+    with _OpRecorder() as recorded:
+        be.backward(dout, q, k, v, out, lse_rows, False, 0.3)
+    copies = [op for op in recorded.ops if op.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_)]
+    assert recorded.ops and not copies
+
+
+def test_merge_of_two_halves_equals_full_attention():
+    q, k, v, _ = inputs(4, 2, 32, 64, torch.float64)
+    be = kernels._BACKENDS["math"]
+    full_out, full_lse = kernels.attention_forward(q, k, v, False, 0.25, be)
+    out, lse = kernels.attention_forward(q, k[:, :, :40], v[:, :, :40], False, 0.25, be)
+    out, lse = out.clone(), lse.clone()
+    merge_block(out, lse, *kernels.attention_forward(q, k[:, :, 40:], v[:, :, 40:], False, 0.25, be))
+    # float64: measured 8e-16 for both
+    assert torch.allclose(out, full_out, rtol=0, atol=1e-14) and torch.allclose(lse, full_lse, rtol=0, atol=1e-14)
+
+
+def test_forced_backend_that_cannot_run_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("EASY_CONTEXT_KERNEL", "flash_attn")
+    with pytest.raises(ValueError, match="usable here"):
+        kernels.select_backend(torch.zeros(1, 1, 1, 8))
+
+
+def test_causal_blocks_must_be_square():
+    q, k, v, _ = inputs(4, 2, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match="square"):
+        kernels.attention_forward(q, k, v, True, 0.25)
+
+
+# ------------------------------------------------------- softcapping, tiles and sinks
+@pytest.mark.parametrize("causal,kind", [(True, None), (False, None), (False, "block_diagonal")])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2)])
+def test_softcapped_attention_matches_reference(causal, kind, hq, hkv):
+    q, k, v, dout = inputs(hq, hkv, 48, 48, torch.float32, layout="bshd")
+    q, k = q * 3, k * 3  # logits of order 10: a cap of 2 bends them
+    mask = None if kind is None else make_mask(kind, 48, 48)
+    backend = kernels.select_backend(q, masked=mask is not None, softcap=True)
+    assert backend.name == "math"  # the CPU backend that softcaps
+    out, lse = kernels.attention_forward(q, k, v, causal, 0.25, backend, mask=mask, softcap=2.0)
+    dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal, 0.25, backend, mask=mask, softcap=2.0)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    want = reference(qr, kr, vr, causal, 0.25, mask, softcap=2.0)[0]
+    want.backward(dout.double())
+    assert (want - reference(q, k, v, causal, 0.25, mask)[0]).abs().max() > 0.1  # the cap matters here
+    for got, ref in ((out, want), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert (got.double() - ref).abs().max() <= 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("causal,kind,softcap", [(True, None, None), (False, "random", None), (True, None, 2.0)])
+def test_math_backend_in_row_tiles_equals_one_tile(monkeypatch, causal, kind, softcap):
+    q, k, v, dout = inputs(4, 2, 40, 40, torch.float32)
+    mask = None if kind is None else make_mask(kind, 40, 40)
+    math_backend = kernels._BACKENDS["math"]
+    one = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    one_grads = kernels.attention_backward(dout, q, k, v, *one, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    monkeypatch.setattr(kernels, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
+    assert len(kernels._row_tiles(q, k)) == 6
+    tiled = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    tiled_grads = kernels.attention_backward(dout, q, k, v, *tiled, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    for got, want in zip((*tiled, *tiled_grads), (*one, *one_grads)):  # fp32 sums in another order
+        assert_close(got, want, 1e-6 * max(1.0, want[want != -math.inf].abs().max().item()))
+
+
+def test_softcap_is_never_sent_to_a_backend_without_it(monkeypatch):
+    q, k, v, _ = inputs(4, 2, 16, 16, torch.float32)
+    monkeypatch.setenv("EASY_CONTEXT_KERNEL", "cpu_flash")
+    assert kernels.select_backend(q).name == "cpu_flash"
+    assert kernels.select_backend(q, softcap=True).name == "math"
+    with pytest.raises(ValueError, match="cannot softcap"):
+        kernels.attention_forward(q, k, v, True, 0.25, kernels._BACKENDS["cpu_flash"], softcap=2.0)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_sinks_folded_after_the_merge_equal_a_softmax_with_the_sink(softcap):
+    """ring.fold_sinks / sinks_grad on one rank: out, dq, dk, dv and d sinks against autograd
+    through a softmax with the sink column (gpt-oss's eager attention)."""
+    from easy_context.core.ring import ring_attention
+    from easy_context.modes.zigzag_ring_attn import PLAN
+
+    q, k, v, dout = inputs(4, 2, 40, 40, torch.float32, layout="bshd")
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out = ring_attention(*leaves[:3], 0.25, PLAN, None, softcap=softcap, sinks=leaves[3])
+    out.backward(dout)
+    refs = [x.double().requires_grad_() for x in (q, k, v, sinks)]
+    want = reference(*refs[:3], True, 0.25, softcap=softcap, sinks=refs[3])[0]
+    want.backward(dout.double())
+    assert (want - reference(q, k, v, True, 0.25, softcap=softcap)[0]).abs().max() > 0.05  # the sinks matter
+    assert (out.double() - want).abs().max() <= 2e-5
+    for leaf, ref in zip(leaves, refs):
+        assert (leaf.grad.double() - ref.grad).abs().max() <= 2e-5 * max(1.0, ref.grad.abs().max().item())
