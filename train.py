@@ -41,7 +41,6 @@ from easy_context.programs.launch import fail as launch_fail
 from easy_context.programs.loss import chunked_cross_entropy_sum, global_token_mean
 from easy_context.hf.architectures import check_training_config, logits_head
 from easy_context.programs.models import check_config, load_config, load_pretrained
-from easy_context.hf.api import SPLIT_MODES
 from easy_context.modes import get_mode
 from easy_context.programs.tiled_mlp import tile_mlps
 from easy_context.versions import enable_activation_checkpointing
@@ -379,7 +378,7 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
         fail("--document-masking needs a tokenizer with an EOS token (documents are separated by EOS)")
     # --balance-documents: every document is split over the ring (document_split); Ulysses alone is
     # balanced already.
-    split = args.balance_documents and args.parallel_mode in SPLIT_MODES
+    split = args.balance_documents and get_mode(args.parallel_mode).document_split
     ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model, sp_size=args.sp_size, ring_degree=args.ring_degree,
                                        document_split=split or None)
     trainable = CausalLMLoss(model, args.loss_chunk_size)

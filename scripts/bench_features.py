@@ -52,7 +52,7 @@ def _rank(rank, world, rendezvous, spec, results):
 
     import torch.distributed as dist
 
-    from easy_context.hf import _equal_head_dims
+    from easy_context.hf.admission import equal_head_dims
     from easy_context.modes import get_mode
     from easy_context.core.groups import get_groups
 
@@ -73,7 +73,7 @@ def _rank(rank, world, rendezvous, spec, results):
     logits = {"softcap": softcap, "sinks": sinks}
 
     def step():
-        pq, pk, pv, value_dim = _equal_head_dims(q, k, v)  # what hf.py does for MLA
+        pq, pk, pv, value_dim = equal_head_dims(q, k, v)  # what the patch does for MLA
         out = mode.attention(pq, pk, pv, d_qk ** -0.5, groups, **logits)
         out = out if value_dim is None else out[..., :value_dim]
         out.backward(dout)

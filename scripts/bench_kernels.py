@@ -76,7 +76,7 @@ def candidates(q, k, v, scale, device):
     steps = {"sdpa": sdpa}
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     for name in kernels.available_backends(device.type, q.dtype, q.shape[-1], capability):
-        backend = kernels._BACKENDS[name]
+        backend = kernels.BACKENDS[name]
         if name == "math" and device.type == "cuda" and q.shape[2] > MATH_MAX_CUDA:
             steps[f"kernel:{name}"] = f"skipped: the pure-torch fallback above S={MATH_MAX_CUDA} (minutes per step)"
             continue

@@ -97,7 +97,7 @@ def check(device, dtype, seq, head_dim):
         ref = [max_error(x, w) for x, w in zip((ref_out.detach(), rq.grad, rk.grad, rv.grad), (want[0], *want[2:]))]
         bounds = [2 * e + FLOORS[dtype] for e in ref]
         for backend in kernels.available_backends(device.type, dtype, head_dim, capability, masked=masked):
-            chosen = kernels._BACKENDS[backend]
+            chosen = kernels.BACKENDS[backend]
             try:
                 out, lse = kernels.attention_forward(q, k, v, causal, scale, backend=chosen, mask=mask)
                 dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal, scale, backend=chosen, mask=mask)

@@ -433,7 +433,7 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
 
 
 # ---------------------------------------------------------------------- selection
-_BACKENDS = {
+BACKENDS = {
     "math": Backend("math", _math_forward, _math_backward, supports_mask=True, supports_softcap=True),
     "cpu_flash": Backend("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, supports_mask=True),
     "cuda_flash": Backend("cuda_flash", _cuda_flash_forward, _cuda_flash_backward),
@@ -443,7 +443,7 @@ _BACKENDS = {
 
 
 def _has(name: str, masked: bool, softcap: bool) -> bool:
-    backend = _BACKENDS[name]
+    backend = BACKENDS[name]
     if softcap and name == "flash_attn" and not _flash_attn_has_softcap():
         return False
     return (backend.supports_mask or not masked) and (backend.supports_softcap or not softcap)
@@ -514,8 +514,8 @@ def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False)
                 f"{q.device}; usable here: {list(choices)}"
             )
         if _has(forced, masked, softcap):
-            return _BACKENDS[forced]
-    return _BACKENDS[next(n for n in choices if _has(n, masked, softcap))]
+            return BACKENDS[forced]
+    return BACKENDS[next(n for n in choices if _has(n, masked, softcap))]
 
 
 def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, softcap) -> Backend:

@@ -22,7 +22,7 @@ from easy_context.hf import architectures
 
 from easy_context.core.global_mask import check_padding
 from easy_context.hf import patch as hf
-from easy_context.modes import SeqParallelMode, get_mode
+from easy_context.modes import SeqParallelMode, get_mode, modes_with
 from easy_context.core.groups import get_groups
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "gather_seq_parallel_outputs",
 ]
 _OPTIONS = ("sp_size", "ring_degree", "document_split")
-SPLIT_MODES = ("zigzag_ring_attn", "usp_attn", "dist_flash_attn")  # modes that can follow a layout per row
 
 
 def _check_option_names(where: str, options: dict) -> None:
@@ -169,8 +168,8 @@ def prepare_seq_parallel_inputs(
 
 
 def _check_split(mode: str) -> None:
-    if mode not in SPLIT_MODES:
-        raise ValueError(f"document_split=True works with {list(SPLIT_MODES)}, not {mode!r} (ulysses_attn is balanced "
+    if not get_mode(mode).document_split:
+        raise ValueError(f"document_split=True works with {list(modes_with('document_split'))}, not {mode!r} (ulysses_attn is balanced "
                          "already: every rank attends the whole sequence for its heads)")
 
 

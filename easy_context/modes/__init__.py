@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from easy_context.core.layout import WHOLE_SEQUENCE, Layout
 from easy_context.core.groups import Topology, divisors
 
-__all__ = ["SeqParallelMode", "get_mode", "MODE_NAMES", "BUILT_MODES"]
+__all__ = ["SeqParallelMode", "get_mode", "modes_with", "MODE_NAMES", "BUILT_MODES"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class SeqParallelMode:
     # masking.SequenceMask over the SP group's whole sequence (None: plain causal); softcap
     # and sinks (Hq,) change the logits (ring.ring_attention). None: the model's own attention.
     attention: Optional[Callable]
+    # The mode can follow a layout per packed row (document_split): its ring cuts each document
+    # the way it cuts one causal row. Ulysses alone is balanced already (every rank attends the
+    # whole sequence for its heads), data_parallel has nothing to split.
+    document_split: bool = False
 
     def topology(self, world_size: int, sp_size: Optional[int] = None, ring_degree: Optional[int] = None) -> Topology:
         if self.attention is None:  # data_parallel: every rank holds whole sequences
@@ -68,6 +72,11 @@ _MODULES = {
 }
 MODE_NAMES = tuple(_MODULES)
 BUILT_MODES = tuple(name for name, module in _MODULES.items() if module)
+
+
+def modes_with(feature: str) -> tuple:
+    """Names of the built modes that support `feature` (a boolean field of SeqParallelMode)."""
+    return tuple(name for name in BUILT_MODES if getattr(get_mode(name), feature))
 
 
 def get_mode(name: str) -> SeqParallelMode:

@@ -267,4 +267,5 @@ MODE = SeqParallelMode(
     attention=lambda q, k, v, scale, groups, layer=None, mask=None, **logits: dist_flash_attention(
         q, k, v, scale, groups.ring, layer, mask, **logits
     ),
+    document_split=True,
 )

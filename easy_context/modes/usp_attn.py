@@ -19,4 +19,5 @@ def _ring_degree(sp_size: int, requested: Optional[int]) -> int:
     return 1 if requested is None else requested
 
 
-MODE = SeqParallelMode("usp_attn", ring_degree=_ring_degree, zigzag=True, attention=ulysses_attention)
+MODE = SeqParallelMode("usp_attn", ring_degree=_ring_degree, zigzag=True, attention=ulysses_attention,
+                       document_split=True)

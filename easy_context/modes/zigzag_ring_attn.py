@@ -65,4 +65,5 @@ MODE = SeqParallelMode(
     attention=lambda q, k, v, scale, groups, layer=None, mask=None, **logits: zigzag_ring_attention(
         q, k, v, scale, groups.ring, mask, **logits
     ),
+    document_split=True,
 )

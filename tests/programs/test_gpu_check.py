@@ -32,7 +32,7 @@ def test_check_kernels_passes_every_cpu_backend():
 def test_check_kernels_fails_a_wrong_backend(monkeypatch):
     """A backend whose gradient is off by 1% (well inside bf16's eps of 2^-8 relative per
     element, but not of its sum over a row) and one whose lse is off by 1e-3 fail their rows."""
-    math = kernels._BACKENDS["math"]
+    math = kernels.BACKENDS["math"]
 
     def bad_backward(*args, **kwargs):
         dq, dk, dv = math.backward(*args, **kwargs)
@@ -42,11 +42,11 @@ def test_check_kernels_fails_a_wrong_backend(monkeypatch):
         out, lse = math.forward(*args, **kwargs)
         return out, lse + 1e-3 * lse.abs()
 
-    monkeypatch.setitem(kernels._BACKENDS, "math", math._replace(backward=bad_backward))
+    monkeypatch.setitem(kernels.BACKENDS, "math", math._replace(backward=bad_backward))
     rows = check_kernels.check(torch.device("cpu"), torch.float32, 128, 32)
     assert [r["ok"] for r in rows if r["backend"] == "math"] == [False] * 3
     assert all(r["ok"] for r in rows if r["backend"] != "math")
-    monkeypatch.setitem(kernels._BACKENDS, "math", math._replace(forward=bad_forward))
+    monkeypatch.setitem(kernels.BACKENDS, "math", math._replace(forward=bad_forward))
     rows = check_kernels.check(torch.device("cpu"), torch.float32, 128, 32)
     assert [r["lse_relative"] > 5e-4 and not r["ok"] for r in rows if r["backend"] == "math"] == [True] * 3
 

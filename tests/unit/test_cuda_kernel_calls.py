@@ -107,7 +107,7 @@ def test_cuda_efficient_calls_match_the_op_schemas(dtype, hq, hkv, masked):
     q, k, v, dout = meta_inputs(hq, hkv, sq, sk, dtype)
     mask = torch.empty(2, 1, sq, sk, dtype=torch.bool, device="meta") if masked else None
     causal = False
-    be = kernels._BACKENDS["cuda_efficient"]
+    be = kernels.BACKENDS["cuda_efficient"]
     assert be.supports_mask
     with CallRecorder() as rec:
         out, lse = be.forward(q, k, v, causal, 0.125, mask)
@@ -213,7 +213,7 @@ def test_cuda_efficient_logic_against_a_stand_in_kernel(
     q, k, v, dout = inputs(hq, hkv, sq, sk, dtype, layout=layout, seed=2)
     causal = kind == "causal" and sq == sk
     mask = make_mask(kind, sq, sk) if kind and not causal else None
-    be = kernels._BACKENDS["cuda_efficient"]
+    be = kernels.BACKENDS["cuda_efficient"]
     out, lse = kernels.attention_forward(q, k, v, causal, 0.3, be, mask=mask)
     if layout == "bhsd":  # an out in another layout than the kernel's own (e.g. a received one)
         out = out.contiguous()
@@ -326,7 +326,7 @@ def fake_flash_attn(backward, module=kernels):
 
 def check_flash_attn_backend(module, backward, dtype=torch.float32, hq=4, hkv=2, causal=True):
     q, k, v, dout = inputs(hq, hkv, 32, 32, dtype, layout="bshd", seed=3)
-    be = module._BACKENDS["flash_attn"]
+    be = module.BACKENDS["flash_attn"]
     with fake_flash_attn(backward, module):
         out, lse = module.attention_forward(q, k, v, causal, 0.3, be)
         dq, dk, dv = module.attention_backward(dout, q, k, v, out, lse, causal, 0.3, be)
@@ -363,7 +363,7 @@ def test_flash_attn_gets_the_softcap_in_both_directions_where_the_release_has_it
         seen["backward"] = softcap
 
     q, k, v, dout = inputs(4, 2, 16, 16, torch.float16, layout="bshd")
-    be = kernels._BACKENDS["flash_attn"]
+    be = kernels.BACKENDS["flash_attn"]
     with fake_flash_attn(backward):
         sys.modules["flash_attn.flash_attn_interface"].flash_attn_func = forward
         assert kernels._has("flash_attn", masked=False, softcap=True)

@@ -104,7 +104,7 @@ def test_cpu_flash_backend_is_available_here():
 def test_backend_matches_reference(backend, dtype, tol, hq, hkv, sq, sk, causal, layout):
     q, k, v, dout = inputs(hq, hkv, sq, sk, dtype, layout=layout)
     scale = 0.3
-    be = kernels._BACKENDS[backend]
+    be = kernels.BACKENDS[backend]
     out, lse = kernels.attention_forward(q, k, v, causal, scale, be)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, hq, sq)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
@@ -126,7 +126,7 @@ def test_backend_matches_reference(backend, dtype, tol, hq, hkv, sq, sk, causal,
 def test_masked_backend_matches_reference(backend, dtype, tol, hq, hkv, sq, sk, kind, layout):
     q, k, v, dout = inputs(hq, hkv, sq, sk, dtype, layout=layout, seed=1)
     mask, scale = make_mask(kind, sq, sk), 0.3
-    be = kernels._BACKENDS[backend]
+    be = kernels.BACKENDS[backend]
     assert be.supports_mask
     out, lse = kernels.attention_forward(q, k, v, False, scale, be, mask=mask)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, hq, sq)
@@ -148,7 +148,7 @@ def test_rows_with_no_allowed_key_give_zero_out_minus_inf_lse_and_zero_grads(bac
     mask = make_mask("random", 24, 40)
     empty = ~mask.any(-1)  # (2, 1, 24)
     assert empty[:, 0, 3].all() and empty[0, 0, 5] and not empty[1, 0, 5]
-    be = kernels._BACKENDS[backend]
+    be = kernels.BACKENDS[backend]
     out, lse = kernels.attention_forward(q, k, v, False, 0.25, be, mask=mask)
     rows = empty.expand(2, 4, 24)
     assert (out[rows] == 0).all() and (lse[rows] == -math.inf).all()
@@ -172,7 +172,7 @@ def test_rows_with_no_allowed_key_give_zero_out_minus_inf_lse_and_zero_grads(bac
 
 def test_mask_shapes_broadcast_and_bad_masks_are_clear_errors():
     q, k, v, _ = inputs(4, 2, 16, 24, torch.float32)
-    be = kernels._BACKENDS["math"]
+    be = kernels.BACKENDS["math"]
     plane = make_mask("causal", 16, 24)
     full = kernels.attention_forward(q, k, v, False, 0.3, be, mask=plane.expand(2, 1, 16, 24))
     for shaped in (plane, plane[None], plane[None, None]):
@@ -185,7 +185,7 @@ def test_mask_shapes_broadcast_and_bad_masks_are_clear_errors():
     with pytest.raises(ValueError, match="broadcast"):
         kernels.attention_forward(q, k, v, False, 0.3, be, mask=plane.expand(2, 4, 16, 24))  # per-head
     with pytest.raises(ValueError, match="cannot take a mask"):
-        kernels.attention_forward(q, k, v, False, 0.3, kernels._BACKENDS["cuda_flash"], mask=plane)
+        kernels.attention_forward(q, k, v, False, 0.3, kernels.BACKENDS["cuda_flash"], mask=plane)
 
 
 def test_masked_calls_pick_a_backend_that_takes_a_mask(monkeypatch):
@@ -232,7 +232,7 @@ class _OpRecorder(TorchDispatchMode):
 
 def test_cpu_flash_takes_transposed_views_without_copies():
     q, k, v, dout = inputs(4, 2, 32, 48, torch.bfloat16, layout="bshd")
-    be = kernels._BACKENDS["cpu_flash"]
+    be = kernels.BACKENDS["cpu_flash"]
     out, lse = be.forward(q, k, v, False, 0.3)
     lse_rows = torch.empty(2, 4, 64)[:, :, :32].copy_(lse)  # a row slice of a ring's lse
     with _OpRecorder() as recorded:
@@ -243,7 +243,7 @@ def test_cpu_flash_takes_transposed_views_without_copies():
 
 def test_merge_of_two_halves_equals_full_attention():
     q, k, v, _ = inputs(4, 2, 32, 64, torch.float64)
-    be = kernels._BACKENDS["math"]
+    be = kernels.BACKENDS["math"]
     full_out, full_lse = kernels.attention_forward(q, k, v, False, 0.25, be)
     out, lse = kernels.attention_forward(q, k[:, :, :40], v[:, :, :40], False, 0.25, be)
     out, lse = out.clone(), lse.clone()
@@ -287,7 +287,7 @@ def test_softcapped_attention_matches_reference(causal, kind, hq, hkv):
 def test_math_backend_in_row_tiles_equals_one_tile(monkeypatch, causal, kind, softcap):
     q, k, v, dout = inputs(4, 2, 40, 40, torch.float32)
     mask = None if kind is None else make_mask(kind, 40, 40)
-    math_backend = kernels._BACKENDS["math"]
+    math_backend = kernels.BACKENDS["math"]
     one = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     one_grads = kernels.attention_backward(dout, q, k, v, *one, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     monkeypatch.setattr(kernels, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
@@ -304,7 +304,7 @@ def test_softcap_is_never_sent_to_a_backend_without_it(monkeypatch):
     assert kernels.select_backend(q).name == "cpu_flash"
     assert kernels.select_backend(q, softcap=True).name == "math"
     with pytest.raises(ValueError, match="cannot softcap"):
-        kernels.attention_forward(q, k, v, True, 0.25, kernels._BACKENDS["cpu_flash"], softcap=2.0)
+        kernels.attention_forward(q, k, v, True, 0.25, kernels.BACKENDS["cpu_flash"], softcap=2.0)
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
