@@ -2,42 +2,37 @@
 
 Public API (everything a training or evaluation script needs):
 
-    apply_seq_parallel_monkey_patch(mode, model_or_type, **options)   a type ("llama") or a model
+    sp = setup(mode, model_or_type, **options)   resolve the mode, topology and groups once; patch the model type
+        sp.shard(input_ids, position_ids=None, target_ids=None, attention_mask=None)   this rank's share
+        sp.gather(local, dim=1, token_index=None)   the SP group's tensors back in sequence order
+        sp.dataloader(loader, accelerator)   one data stream per SP group
+        sp.trainer(trainer)                  HF Trainer / TRL SFTTrainer in one line
+        sp.generate(model, input_ids, attention_mask=None, **generate_kwargs)   KV cache sharded
+        sp.check_same(tensors, error)        every rank of the SP group holds the same tensors
+    teardown()                               transformers' own attention again
+    options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn),
+             document_split (a layout per packed row: equal work per rank)
+
+  The EasyContext names, thin wrappers over the same context:
+    apply_seq_parallel_monkey_patch(mode, model_or_type, **options)
     remove_seq_parallel_monkey_patch()
     prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, device,
                                 attention_mask=None, **options)
     prepare_dataloader(mode, dataloader, accelerator, **options)
-    prepare_trainer(mode, trainer, **options)   HF Trainer / TRL SFTTrainer in one line
+    prepare_trainer(mode, trainer, **options)
     gather_seq_parallel_outputs(mode, local_tensor, dim=1, token_index=None, **options)
     generate(mode, model, input_ids, attention_mask=None, **options_and_generate_kwargs)
-                                    model.generate with the prompt's KV cache sharded over the group
-    options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn),
-             document_split (a layout per packed row: equal work per rank)
 
-Architecture (one file or folder per concern):
-    architectures.py   the supported model types (one list) and why others are refused
-    kernels.py         local attention block -> (out, lse) and its backward; CPU/CUDA backends, masks
-    masking.py         documents, padding and windows described once; the kernel calls they imply
-    ring.py            the ring core: direct K/V exchange per step, log-sum-exp merging, exact backward
-    layout.py          how tokens are split over an SP group (zigzag/contiguous x Ulysses)
-    process_groups.py  world = dp x sp, sp = ring x ulysses; groups created once
-    modes.py           mode registry; one subpackage per mode holds only what differs:
-      zigzag_ring_attn/  the zigzag block plan for the ring core
-      ulysses_attn/      sequence<->heads all-to-all, KV-head replication
-      usp_attn/          Ulysses x ring split of the SP group
-      data_parallel/     no sequence parallelism
-    generation.py      generate: sharded prefill, a KV cache sharded over the SP group, HF's decoding
-    hf.py              the single transformers integration point (attention + mask registries)
-    api.py             the functions above
-    trainer.py         prepare_trainer: data by SP group, sharded batches, exact loss for HF Trainer
-    replicas.py        a guard: the ranks of an SP group must hold the same weights
-    versions.py        supported versions (pyproject's ranges) and the transformers APIs that changed
-Around it, for the scripts (train.py, eval_needle.py, eval_ppl.py):
-    evaluation.py      score whole sequences over an SP group (no grad, per-token results)
-    needle.py          needle / passkey prompts for any tokenizer
-    balance.py         document_split: a layout per packed row that balances the ranks' work
-    launch.py          start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
-    models.py, data.py, loss.py, tiled_mlp.py, plots.py
+Package map (rooms; docs/architecture.md draws them):
+    core/       the engine, never imports transformers: kernels, masking, ring (the executor), p2p,
+                remat, layout, balance, groups, collectives, global_mask
+    modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in __init__
+    hf/         the transformers integration: context (SequenceParallel), api, patch, admission,
+                architectures, replicas, generation, trainer
+    programs/   what train.py, eval_needle.py, eval_ppl.py and the planner need: launch, data/,
+                models, loss, tiled_mlp, needle, evaluation, plots, plan
+    versions.py supported versions (pyproject's ranges) and the transformers APIs that changed
+    old_paths.py  release 0.1's import paths (easy_context.hf, easy_context.zigzag_ring_attn, ...)
 """
 
 from easy_context import old_paths
@@ -53,14 +48,18 @@ from easy_context.hf.api import (  # noqa: E402
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES
-from easy_context.hf.generation import generate
-from easy_context.hf.trainer import prepare_trainer
-from easy_context.modes import BUILT_MODES, MODE_NAMES
+from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES  # noqa: E402
+from easy_context.hf.context import SequenceParallel, setup, teardown  # noqa: E402
+from easy_context.hf.generation import generate  # noqa: E402
+from easy_context.hf.trainer import prepare_trainer  # noqa: E402
+from easy_context.modes import BUILT_MODES, MODE_NAMES  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "setup",
+    "teardown",
+    "SequenceParallel",
     "apply_seq_parallel_monkey_patch",
     "remove_seq_parallel_monkey_patch",
     "prepare_seq_parallel_inputs",

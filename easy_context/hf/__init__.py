@@ -1,22 +1,24 @@
 """The Hugging Face integration: the public API, the patch into transformers' registries, and
 what runs on it (generation, the Trainer adapter, the replica guard).
 
-    api.py            the EasyContext functions (apply_seq_parallel_monkey_patch, ...)
+    context.py        SequenceParallel: a mode with its options, topology and groups, resolved once
+    api.py            the EasyContext functions (apply_seq_parallel_monkey_patch, ...) over it
     patch.py          dispatchers installed into transformers' attention and mask registries
+    admission.py      what a model may bring (keywords, mask functions, head dims), checked per call
     architectures.py  the supported model types (one list) and why others are refused
     replicas.py       a guard: the ranks of an SP group must hold the same weights
     generation.py     generate: sharded prefill, a KV cache sharded over the SP group
     trainer.py        prepare_trainer: HF Trainer / TRL SFTTrainer in one line
 """
 
-from easy_context.hf.patch import (
-    SUPPORTED_MODEL_TYPES,
-    ActivePatch,
-    ShardedMask,
-    active_patch,
-    install,
-    uninstall,
-    world_size,
-)
+from easy_context.core.collectives import world_size
+from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES
+from easy_context.hf.context import SequenceParallel, active
+from easy_context.hf.patch import ShardedMask, install, uninstall
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "ShardedMask", "install", "uninstall", "active_patch", "world_size"]
+# The names of release 0.1's easy_context.hf module.
+ActivePatch = SequenceParallel
+active_patch = active
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "SequenceParallel", "ActivePatch", "ShardedMask", "install", "uninstall", "active",
+           "active_patch", "world_size"]

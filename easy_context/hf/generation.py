@@ -19,8 +19,8 @@ process's `model.generate` would give. How:
    every rank gets bitwise the same result). The token with sequence index i is kept by SP
    rank i % P, so the cache stays balanced.
 
-Where the hook sits: hf.py's attention dispatcher hands a layer's call to the cache's `attend`
-while a ShardedKVCache is decoding (`hf.decoding_with(cache)`); the prefill goes through the
+Where the hook sits: the patch's attention dispatcher hands a layer's call to the cache's `attend`
+while a ShardedKVCache is decoding (`SequenceParallel.decoding_with(cache)`); the prefill goes through the
 mode's own attention. Masks: padding (left-padded batches) and per-layer sliding windows are
 described per cache slot (its sequence index and validity), the same rule as masking.py.
 """
@@ -31,16 +31,14 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
+from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
-from easy_context.hf import patch as hf
-from easy_context.hf.api import _OPTIONS, _topology, prepare_seq_parallel_inputs
 from easy_context.core.kernels import accumulation_dtype, attention_forward
-from easy_context.modes import get_mode
-from easy_context.core.groups import get_groups
 from easy_context.core.ring import fold_sinks, merge_block
+from easy_context.hf.architectures import model_types_of
+from easy_context.hf.context import OPTIONS, active, context_for, setup
 from easy_context.versions import cache_keyword
 
 __all__ = ["generate", "ShardedKVCache", "kv_bytes"]
@@ -222,8 +220,7 @@ class ShardedKVCache(Cache):
             # diverged would otherwise keep decoding different sequences until one stops at
             # EOS and its peers wait forever.
             packed = torch.cat([out, lse.unsqueeze(-1), q.to(acc).sum(-1, keepdim=True)], dim=-1).contiguous()
-            pieces = [torch.empty_like(packed) for _ in range(self.size)]
-            dist.all_gather(pieces, packed, group=self.group)
+            pieces = collectives.all_gather(packed, self.group)
             _check_same_queries([piece[..., -1] for piece in pieces])
             out, lse = pieces[0][..., :-2].clone(), pieces[0][..., -2].clone()
             for piece in pieces[1:]:  # rank order on every rank: bitwise equal results
@@ -291,75 +288,75 @@ def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional
     `mode`'s layout and the KV cache sharded over the SP group; returns what model.generate
     returns, the same on every rank of the group.
 
-    Call apply_seq_parallel_monkey_patch(mode, model) first. Every rank of an SP group passes
-    the same input_ids (B, S) and attention_mask (B, S) (0 = padding; left padding, as for
-    model.generate) and the same generate kwargs; sampling needs the same seed on every rank
-    (torch.manual_seed). Options sp_size, ring_degree, document_split as everywhere else;
-    other keywords go to model.generate (max_new_tokens, do_sample, num_beams, ...).
+    Patches the model's type for `mode` when it is not patched yet (as prepare_trainer does).
+    Every rank of an SP group passes the same input_ids (B, S) and attention_mask (B, S)
+    (0 = padding; left padding, as for model.generate) and the same generate kwargs; sampling
+    needs the same seed on every rank (torch.manual_seed). Options sp_size, ring_degree,
+    document_split as everywhere else; other keywords go to model.generate (max_new_tokens,
+    do_sample, num_beams, ...).
     """
-    options = {name: kwargs.pop(name) for name in _OPTIONS if name in kwargs}
+    options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
+    return context_for("generate", mode, options).generate(model, input_ids, attention_mask, **kwargs)
+
+
+def generate_in(context, model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    """generate in a SequenceParallel context (SequenceParallel.generate)."""
     for name, why in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"generate: {name} is not supported ({why})")
     if kwargs.get("use_cache") is False:
         raise ValueError("generate: use_cache=False is not supported; the sharded KV cache is the point")
-    resolved = get_mode(mode)
     # use_cache=True: a model saved for training often has use_cache=False in its config, which
     # model.generate would follow and run the whole sequence again at every token.
     kwargs["use_cache"] = True
-    if resolved.attention is None:  # data_parallel: each rank generates on its own
+    if not context.sequence_parallel:  # data_parallel: each rank generates on its own
         return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-    _check_patched(mode, model)
-    topology, options = _checked_topology(resolved, options)
-    groups = get_groups(topology)
+    context = _installed_for(context, model)
+    groups = context.groups()
     input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, model)
     config = _generation_config(model, kwargs)
     for name in ("guidance_scale", "negative_prompt_ids"):
         if getattr(config, name, None) not in (None, 1, 1.0) or kwargs.get(name) is not None:
             raise ValueError(f"generate: {name} is not supported (classifier-free guidance runs a second forward "
                              "with a cache of its own)")
-    _check_same_everywhere(groups.sp, input_ids, attention_mask, bool(getattr(config, "do_sample", False)))
+    _check_same_everywhere(context, input_ids, attention_mask, bool(getattr(config, "do_sample", False)))
 
-    cache = ShardedKVCache(groups.sp, groups.sp_rank, topology.sp_size)
+    cache = ShardedKVCache(groups.sp, groups.sp_rank, groups.topology.sp_size)
     with torch.no_grad():
-        _prefill(mode, model, cache, input_ids, attention_mask, topology, groups.sp_rank, options)
+        _prefill(context, model, cache, input_ids, attention_mask)
     cache.finish_prefill(input_ids.shape[0], input_ids.device)
-    with hf.decoding_with(cache):
+    with context.decoding_with(cache):
         # cache_implementation=None: a model's generation config may name one (Gemma 2: "hybrid"),
         # which transformers refuses next to a cache it is given; ours replaces it.
         output = model.generate(input_ids, attention_mask=attention_mask, cache_implementation=None,
                                 **{cache_keyword(model): cache}, **kwargs)
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
-    _check_same_everywhere(groups.sp, sequences, None, False, what="generated tokens")
+    _check_same_everywhere(context, sequences, None, False, what="generated tokens")
     return output
 
 
-def _check_patched(mode: str, model) -> None:
-    from easy_context.hf.architectures import model_types_of
-
-    active = hf.active_patch()
-    types = set(model_types_of(model))
-    if active is None or active.mode.name != mode or not types <= active.model_types:
-        raise ValueError(
-            f"generate({mode!r}, ...): call apply_seq_parallel_monkey_patch({mode!r}, model) first "
-            f"(active patch: {None if active is None else (active.mode.name, sorted(active.model_types))})"
-        )
-    if model.training:
-        raise ValueError("generate: the model is in training mode; call model.eval() first")
-
-
-def _checked_topology(mode, options):
-    """The SP topology of the call: the patch's (sharded prefill and decoding must agree)."""
-    topology, options = _topology("generate", mode, hf.world_size(), options)
-    active = hf.active_patch()
-    patched = active.mode.topology(topology.world_size, active.sp_size, active.ring_degree)
-    if topology != patched:
-        raise ValueError(f"generate: sp_size={topology.sp_size}, ring_degree={topology.ring_degree} differ from the patch's "
-                         f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)")
-    if options["document_split"]:
+def _installed_for(context, model):
+    """The installed context that generates with `model`: the patch's (sharded prefill and
+    decoding must agree with it), extended to the model's type, or a new one for it."""
+    installed = active()
+    if installed is not None and installed.mode is not context.mode:
+        raise ValueError(f"generate({context.mode.name!r}, ...): the patch runs {installed.mode.name!r} for "
+                         f"{sorted(installed.model_types)}; generate with that mode, or call "
+                         "remove_seq_parallel_monkey_patch() first")
+    if installed is not None:
+        mine, patched = context.topology(), installed.topology()
+        if mine != patched:
+            raise ValueError(f"generate: sp_size={mine.sp_size}, ring_degree={mine.ring_degree} differ from the patch's "
+                             f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)")
+    if context.document_split:
         raise ValueError("generate: document_split is for packed rows; a prompt is one document per row "
                          "(apply the patch without document_split to generate)")
-    return topology, options
+    if installed is None or not set(model_types_of(model)) <= installed.model_types:
+        options = context.options if installed is None else installed.options
+        installed = setup(context.mode.name, model, **options)
+    if model.training:
+        raise ValueError("generate: the model is in training mode; call model.eval() first")
+    return installed
 
 
 def _checked_prompt(input_ids, attention_mask, model):
@@ -389,50 +386,36 @@ def _generation_config(model, kwargs):
     return prepare(kwargs.get("generation_config"), **options)[0]
 
 
-def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-    weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(9973).add_(1)
-    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), (x.flatten().double() * weights).sum()])
-
-
-def _check_same_everywhere(group, tokens, mask, sampling: bool, what: str = "prompts") -> None:
+def _check_same_everywhere(context, tokens, mask, sampling: bool, what: str = "prompts") -> None:
     """Every rank of the SP group must hold the same prompts (and, when sampling, the same
     random state): a difference would make the sharded cache a mix of two sequences. Every
     rank sends the same number of values, whatever it was given."""
-    if group is None:
-        return
     state = None
     if sampling:
         state = torch.cuda.get_rng_state(tokens.device) if tokens.device.type == "cuda" else torch.get_rng_state()
-    parts = [_fingerprint(x.to(tokens.device)) if x is not None else torch.zeros(2, dtype=torch.float64, device=tokens.device)
-             for x in (tokens, mask, state)]
-    local = torch.cat(parts + [torch.tensor([float(sampling)], dtype=torch.float64, device=tokens.device)])
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, local, group=group)
-    if any(not torch.equal(piece, pieces[0]) for piece in pieces):
-        hint = " and random states (seed every rank alike: torch.manual_seed)" if sampling else ""
-        raise ValueError(f"generate: the {what}{hint} differ between the ranks of the sequence-parallel group")
+    hint = " and random states (seed every rank alike: torch.manual_seed)" if sampling else ""
+    flag = torch.tensor([float(sampling)], device=tokens.device)
+    context.check_same([tokens, mask, state, flag],
+                       lambda shapes: f"generate: the {what}{hint} differ between the ranks of the sequence-parallel group")
 
 
-def _prefill(mode: str, model, cache: ShardedKVCache, input_ids, attention_mask, topology, sp_rank: int, options) -> None:
+def _prefill(context, model, cache: ShardedKVCache, input_ids, attention_mask) -> None:
     """The first S - 1 prompt tokens through the model in the mode's layout, into the cache."""
     length = input_ids.shape[1] - 1
     if length == 0:
         return
     # Positions as model.generate makes them: left padding does not count.
     positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, :length]
-    layout = get_mode(mode).layout(topology)
+    topology = context.topology()
+    layout = context.mode.layout(topology)
     padded = -(-length // layout.multiple) * layout.multiple  # the end padded so that the layout splits it
 
     def extend(x):
         return torch.nn.functional.pad(x[:, :length], (0, padded - length), value=0)
 
     ids, mask, positions = extend(input_ids), extend(attention_mask), extend(positions)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    local = prepare_seq_parallel_inputs(
-        mode, ids, positions, None, rank, topology.world_size, ids.device,
-        attention_mask=None if bool(mask.all()) else mask, **options,
-    )
-    columns = layout.local_indices(padded, sp_rank).to(ids.device)
+    local = context.shard(ids, positions, None, None if bool(mask.all()) else mask)
+    columns = layout.local_indices(padded, topology.sp_rank(collectives.rank())).to(ids.device)
     index = columns.masked_fill(columns >= length, -1)
     cache.start_prefill(index, mask[:, columns].bool(), length)
     model(

@@ -21,31 +21,22 @@ checks now and then that the SP group's weights are still identical (replicas.py
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import functools
-import inspect
 import math
 import sys
-import textwrap
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from easy_context.core.global_mask import gather_sequence_mask
 from easy_context.hf import admission
-from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
-from easy_context.modes import SeqParallelMode
-from easy_context.core.groups import SeqParallelGroups, get_groups
+from easy_context.core.groups import SeqParallelGroups
 from easy_context.hf.replicas import check_replicas
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ActivePatch", "ShardedMask", "install", "uninstall", "active_patch", "world_size"]
+__all__ = ["SUPPORTED_IMPLEMENTATIONS", "ShardedMask", "install", "uninstall", "active"]
 
 # Implementations a patched model may use (each becomes sequence parallel). Every other name
 # in the registries is dispatched too, so a patched model on, say, flex_attention is refused
@@ -54,33 +45,18 @@ SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 _MISSING = object()
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-@dataclass(frozen=True)
-class ActivePatch:
-    mode: SeqParallelMode
-    model_types: frozenset
-    sp_size: Optional[int] = None  # None: the whole world
-    ring_degree: Optional[int] = None  # None: the mode's default
-    document_split: Optional[bool] = None  # a layout per packed row; the model gets seq_parallel_index
-
-    def groups(self) -> SeqParallelGroups:
-        """This rank's process groups; created at the first call, then cached."""
-        return get_groups(self.mode.topology(world_size(), self.sp_size, self.ring_degree))
-
-
-_active: Optional[ActivePatch] = None
+# The installed sequence-parallel context (hf/context.py's SequenceParallel): the registries are
+# process-wide, so one context is live at a time; the dispatchers read it at call time.
+_installed = None
 _saved: dict = {}  # (registry mapping id, name) -> original function or _MISSING
 
 
-def active_patch() -> Optional[ActivePatch]:
-    return _active
+def active():
+    return _installed
 
 
 def _is_patched(config) -> bool:
-    return _active is not None and getattr(config, "model_type", None) in _active.model_types
+    return _installed is not None and getattr(config, "model_type", None) in _installed.model_types
 
 
 # ------------------------------------------------------------------------ masks
@@ -103,11 +79,12 @@ class ShardedMask:
 # ------------------------------------------------------------------ dispatchers
 def _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs):
     admission.check_call(module, attention_mask, kwargs, ShardedMask)
-    if _decoding_cache is not None:
+    cache = _installed.decoding
+    if cache is not None:
         window = kwargs.get("sliding_window")
 
         def attend(q, k, v, scale, **options):
-            return _decoding_cache.attend(q, k, v, scale, module.layer_idx, window=window, **options)
+            return cache.attend(q, k, v, scale, module.layer_idx, window=window, **options)
     else:
         attend = _mode_attention(module, query, key, attention_mask, kwargs)
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
@@ -139,36 +116,22 @@ def _mode_attention(module, query, key, attention_mask, kwargs):
             "outside easy_context.generate is not supported under sequence parallelism; call the model with "
             "use_cache=False, or generate with easy_context.generate(mode, model, input_ids, ...)"
         )
-    groups = _active.groups()
-    layout = _active.mode.layout(groups.topology)
+    context = _installed
+    groups = context.groups()
+    layout = context.mode.layout(groups.topology)
     sharded = attention_mask if attention_mask is not None else ShardedMask(None)
     token_index = kwargs.get("seq_parallel_index")
-    if _active.document_split and token_index is None:
+    if context.document_split and token_index is None:
         raise ValueError("the patch has document_split=True: call the model with "
                          "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs")
-    if token_index is not None and not _active.document_split:
+    if token_index is not None and not context.document_split:
         raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
     mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
 
     def attend(q, k, v, scale, **options):
-        return _active.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)
+        return context.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)
 
     return attend
-
-
-# While generation.generate decodes, its ShardedKVCache: a layer's call is then one decoding
-# step's queries, the same on every rank, against this rank's K/V shard.
-_decoding_cache = None
-
-
-@contextlib.contextmanager
-def decoding_with(cache):
-    global _decoding_cache
-    previous, _decoding_cache = _decoding_cache, cache
-    try:
-        yield cache
-    finally:
-        _decoding_cache = previous
 
 
 def _original_attention(name, module):
@@ -219,10 +182,11 @@ def _make_mask_dispatcher(name, original):
 
 
 # --------------------------------------------------------------- install/undo
-def install(patch: ActivePatch) -> None:
-    global _active
-    _active = patch
-    if _saved:  # dispatchers already in place; they read `_active` at call time
+def install(context) -> None:
+    """Make `context` (a SequenceParallel) the one the dispatchers run."""
+    global _installed
+    _installed = context
+    if _saved:  # dispatchers already in place; they read `_installed` at call time
         return
     attention_map = AttentionInterface._global_mapping
     mask_map = AttentionMaskInterface._global_mapping
@@ -235,8 +199,8 @@ def install(patch: ActivePatch) -> None:
 
 
 def uninstall() -> None:
-    global _active
-    _active = None
+    global _installed
+    _installed = None
     for registry in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping):
         for name in list(registry):
             original = _saved.pop((id(registry), name), None)

@@ -31,14 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from easy_context.hf import patch as hf
-from easy_context.hf.architectures import check_training_config
-from easy_context.hf.api import _all_gather, _options, _topology, apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
-from easy_context.modes import get_mode
+from easy_context.core import collectives
 from easy_context.core.groups import get_groups
+from easy_context.hf.architectures import check_training_config
+from easy_context.hf.context import context_for, setup
 from easy_context.versions import check_supported
 
-__all__ = ["prepare_trainer"]
+__all__ = ["prepare_trainer", "prepare"]
 
 IGNORE_INDEX = -100
 # Keys with one value per token that are sharded; the keys below restate the documents that
@@ -54,27 +53,31 @@ def prepare_trainer(mode: str, trainer, **options):
     Applies the monkey patch for the trainer's model type (if not applied yet) with
     `options` (sp_size, ring_degree, document_split) and returns the same trainer.
     """
+    # Options not given default to an active patch's for this mode (and may not contradict them).
+    return context_for("prepare_trainer", mode, options).trainer(trainer)
+
+
+def prepare(context, trainer):
+    """prepare_trainer in a SequenceParallel context (SequenceParallel.trainer)."""
     check_supported("accelerate")
-    resolved = get_mode(mode)
     if isinstance(trainer, SeqParallelTrainerMixin):
         raise ValueError("prepare_trainer was already called on this trainer")
     config = getattr(trainer.model, "config", None)
     if getattr(config, "model_type", None) is None:
         raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
-    if resolved.attention is not None:
+    if context.sequence_parallel:
         _check_supported(trainer)
-        if hf.world_size() > 1 and trainer.accelerator.distributed_type.name == "NO":
-            raise ValueError(f"the trainer's accelerator runs each of the {hf.world_size()} processes on its own "
+        if collectives.world_size() > 1 and trainer.accelerator.distributed_type.name == "NO":
+            raise ValueError(f"the trainer's accelerator runs each of the {collectives.world_size()} processes on its own "
                              "(DistributedType.NO: no DDP, gradients never averaged); on a machine without CUDA "
                              "create the trainer with TrainingArguments(use_cpu=True)")
-    # Options not given default to an active patch's for this mode (and may not contradict them).
-    options = {k: v for k, v in _options("prepare_trainer", resolved, options).items() if v is not None}
-    apply_seq_parallel_monkey_patch(mode, config, **options)  # the config: its text decoder's type
-    if resolved.attention is None:  # data_parallel: the Trainer already is one
+    options = {k: v for k, v in context.options.items() if v is not None}
+    context = setup(context.mode.name, config, **options)  # the config: its text decoder's type
+    if not context.sequence_parallel:  # data_parallel: the Trainer already is one
         return trainer
-    topology, resolved_options = _topology("prepare_trainer", resolved, trainer.accelerator.num_processes, options)
+    topology = context.topology(trainer.accelerator.num_processes)
     trainer.__class__ = _seq_parallel_class(type(trainer))
-    trainer._seq_parallel = _Batches(mode, topology, resolved_options)
+    trainer._seq_parallel = _Batches(context, topology)
     if topology.sp_size > 1:
         _read_by_sp_group(trainer, topology)
     return trainer
@@ -154,10 +157,9 @@ def _seq_parallel_class(base: type) -> type:
 class _Batches:
     """Shards batches for one mode and topology, and recombines what the SP group computed."""
 
-    def __init__(self, mode: str, topology, options: dict):
-        self.mode, self.topology = mode, topology
-        self.options = {k: v for k, v in options.items() if v is not None}
-        self.layout = get_mode(mode).layout(topology)
+    def __init__(self, context, topology):
+        self.context, self.topology = context, topology
+        self.layout = context.mode.layout(topology)
         self.keep_logits = False
 
     def shard(self, inputs: dict) -> tuple[dict, int]:
@@ -187,9 +189,7 @@ class _Batches:
                 padding = torch.ones_like(input_ids)
             input_ids, positions, padding = (F.pad(x, (0, extra), value=0) for x in (input_ids, positions, padding))
             targets = None if targets is None else F.pad(targets, (0, extra), value=IGNORE_INDEX)
-        rank = dist.get_rank() if hf.world_size() > 1 else 0
-        local = prepare_seq_parallel_inputs(self.mode, input_ids, positions, targets, rank, hf.world_size(),
-                                            input_ids.device, attention_mask=padding, **self.options)
+        local = self.context.shard(input_ids, positions, targets, padding)
         result = {k: v for k, v in inputs.items() if k not in PER_TOKEN_KEYS + RESTATED_KEYS}
         result["input_ids"] = local["local_input_ids"]
         result["position_ids"] = local["local_position_ids"]
@@ -203,18 +203,10 @@ class _Batches:
 
     def _check_same_batch(self, input_ids: torch.Tensor) -> None:
         """Every rank of the SP group must hold the same rows (one all-gather of 4 numbers)."""
-        groups = get_groups(self.topology)
-        if groups.sp is None:
-            return
-        ids = input_ids.long()
-        weights = torch.arange(1, ids.shape[1] + 1, device=ids.device)
-        mine = torch.stack([ids.new_tensor(ids.shape[0]), ids.new_tensor(ids.shape[1]), ids.sum(), (ids * weights).sum()])
-        every = _all_gather(mine, self.topology, groups)
-        if any(not torch.equal(other, every[0]) for other in every):
-            shapes = [tuple(int(v) for v in other[:2]) for other in every]
-            raise ValueError(f"the ranks of a sequence-parallel group got different batches (rows x length by SP rank: "
-                             f"{shapes}); every rank of a group must read the same rows. A sampler or dataset that "
-                             "depends on the process rank (or draws from each process's own random state) causes this.")
+        self.context.check_same([input_ids.long()], lambda shapes: (
+            f"the ranks of a sequence-parallel group got different batches (rows x length by SP rank: {shapes}); "
+            "every rank of a group must read the same rows. A sampler or dataset that depends on the process rank "
+            "(or draws from each process's own random state) causes this."))
 
     def gather_once_per_sp_group(self, data, use_gather_object=False):
         """accelerate's gather_for_metrics over the data-parallel groups: SP rank 0's results
@@ -254,8 +246,7 @@ class _Batches:
                              "only logits are gathered back to whole rows")
         logits = getattr(outputs, "logits", None)
         if logits is not None:
-            whole = gather_seq_parallel_outputs(self.mode, logits.detach(), dim=1, token_index=local.get("seq_parallel_index"),
-                                                **self.options)
+            whole = self.context.gather(logits.detach(), dim=1, token_index=local.get("seq_parallel_index"))
             outputs["logits"] = whole[:, :row_length]
         return outputs
 

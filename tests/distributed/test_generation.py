@@ -27,12 +27,14 @@ def prompts(batch: int, length: int, seed: int, left_pad=()):
     return ids, mask
 
 
-def compare(model, mode, ids, mask, seed=0, **kwargs):
-    """(tokens equal, worst step-logits error, steps) of generate vs one process's generate."""
+def compare(model, mode, ids, mask, seed=0, patch_first=True, **kwargs):
+    """(tokens equal, worst step-logits error, steps) of generate vs one process's generate;
+    patch_first=False: generate patches the model's type itself."""
     kwargs = {**GREEDY, "max_new_tokens": NEW_TOKENS, **kwargs}
     torch.manual_seed(seed)
     want = model.generate(ids, attention_mask=mask, **kwargs)
-    apply_seq_parallel_monkey_patch(mode, model)
+    if patch_first:
+        apply_seq_parallel_monkey_patch(mode, model)
     try:
         torch.manual_seed(seed)
         got = generate(mode, model, ids, attention_mask=mask, **kwargs)
@@ -54,6 +56,7 @@ def _greedy_worker(rank, world_size, mode):
         # Two different prompts, left-padded to one length; then a prefix shorter than the layout's split.
         results[(model_type, "batch2")] = compare(model, mode, *prompts(2, 75, seed=7, left_pad=(0, 29)))
         results[(model_type, "batch2-short")] = compare(model, mode, *prompts(2, 3, seed=9, left_pad=(1, 0)))
+        results[(model_type, "no patch call")] = compare(model, mode, *prompts(1, 40, seed=5), patch_first=False)
     return results
 
 
@@ -228,7 +231,9 @@ def _refusals_worker(rank, world_size):
         except ValueError as error:
             found[name] = str(error)
 
-    refused("unpatched", lambda: generate("zigzag_ring_attn", model, ids))
+    apply_seq_parallel_monkey_patch("ulysses_attn", model)
+    refused("another mode", lambda: generate("zigzag_ring_attn", model, ids))
+    remove_seq_parallel_monkey_patch()
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
     same, same_mask = prompts(1, 20, seed=0)
     right_padded = same_mask.clone()
@@ -257,7 +262,7 @@ def _refusals_worker(rank, world_size):
 def test_generate_refusals_are_clear():
     found = run_ranks(_refusals_worker, 2)[0]
     expected = {
-        "unpatched": "apply_seq_parallel_monkey_patch('zigzag_ring_attn', model) first",
+        "another mode": "the patch runs 'ulysses_attn'",
         "different prompts": "prompts differ between the ranks",
         "right padding": "left-padded",
         "use_cache": "use_cache=False is not supported",

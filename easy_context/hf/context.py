@@ -1,0 +1,276 @@
+"""One sequence-parallel context: the mode, its options, topology and groups, resolved once.
+
+    sp = easy_context.setup("zigzag_ring_attn", model)      # resolves and installs the patch
+    local = sp.shard(input_ids, position_ids, target_ids)    # this rank's share of a batch
+    logits = sp.gather(model(...).logits)                    # whole rows again
+    loader = sp.dataloader(loader, accelerator)              # one data stream per SP group
+    trainer = sp.trainer(trainer)                            # HF Trainer / TRL, in one line
+    output = sp.generate(model, input_ids, max_new_tokens=8)  # KV cache sharded over the group
+
+The patch's dispatchers read the one installed context (`active()`); the EasyContext
+functions (hf/api.py) find the context of a call with `context_for` and delegate to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Optional
+
+import torch
+
+from easy_context.core import collectives
+from easy_context.core.balance import split_documents
+from easy_context.core.global_mask import check_padding
+from easy_context.core.groups import SeqParallelGroups, Topology, get_groups
+from easy_context.core.masking import SequenceMask
+from easy_context.hf import architectures, patch
+from easy_context.modes import SeqParallelMode, get_mode, modes_with
+
+__all__ = ["OPTIONS", "SequenceParallel", "setup", "teardown", "active", "context_for", "DataParallelShard"]
+
+OPTIONS = ("sp_size", "ring_degree", "document_split")
+SHARD_KEYS = ("local_input_ids", "local_position_ids", "local_target_ids", "local_attention_mask")
+
+
+def check_option_names(where: str, options: dict) -> None:
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"{where}: unknown option(s) {sorted(unknown)}; supported: {list(OPTIONS)}")
+
+
+class SequenceParallel:
+    """A mode with its options (sp_size, ring_degree, document_split; None: the default) and the
+    model types it patches. The topology follows the world size of the call (the world may be
+    initialised after the patch is applied); groups are created once per topology."""
+
+    def __init__(self, mode, model_types=frozenset(), sp_size=None, ring_degree=None, document_split=None):
+        self.mode: SeqParallelMode = mode if isinstance(mode, SeqParallelMode) else get_mode(mode)
+        self.model_types = frozenset(model_types)
+        self.sp_size, self.ring_degree, self.document_split = sp_size, ring_degree, document_split
+        self.decoding = None  # generation's ShardedKVCache while it decodes: attention goes to the cache
+
+    # ------------------------------------------------------------ what it is
+    @property
+    def options(self) -> dict:
+        return {name: getattr(self, name) for name in OPTIONS}
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.mode.attention is not None
+
+    def same_setup(self, other: Optional["SequenceParallel"]) -> bool:
+        return other is not None and (self.mode, *self.options.values()) == (other.mode, *other.options.values())
+
+    def topology(self, world_size: Optional[int] = None) -> Topology:
+        return self.mode.topology(collectives.world_size() if world_size is None else world_size, self.sp_size,
+                                  self.ring_degree)
+
+    def groups(self) -> SeqParallelGroups:
+        """This rank's process groups; created at the first call, then cached."""
+        return get_groups(self.topology())
+
+    def layout(self, world_size: Optional[int] = None):
+        return self.mode.layout(self.topology(world_size))
+
+    def with_options(self, where: str, options: dict) -> "SequenceParallel":
+        """This context with a call's options, which default to (and may not contradict) its own."""
+        check_option_names(where, options)
+        merged = {}
+        for name in OPTIONS:
+            given, mine = options.get(name), getattr(self, name)
+            if given is not None and mine is not None and given != mine:
+                raise ValueError(f"{where}: {name}={given} differs from {name}={mine} given to apply_seq_parallel_monkey_patch")
+            merged[name] = given if given is not None else mine
+        if merged == self.options:
+            return self
+        return SequenceParallel(self.mode, self.model_types, **merged)
+
+    def check_document_split(self) -> None:
+        if not self.mode.document_split:
+            raise ValueError(f"document_split=True works with {list(modes_with('document_split'))}, not {self.mode.name!r} "
+                             "(ulysses_attn is balanced already: every rank attends the whole sequence for its heads)")
+
+    # ------------------------------------------------------------ batches
+    def shard(self, input_ids, position_ids=None, target_ids=None, attention_mask=None, *, rank: Optional[int] = None,
+              world_size: Optional[int] = None, device=None) -> dict:
+        """This rank's share of a batch of full sequences (prepare_seq_parallel_inputs documents
+        the arguments and the result); rank and world_size default to torch.distributed's."""
+        rank = collectives.rank() if rank is None else rank
+        world_size = collectives.world_size() if world_size is None else world_size
+        topology = self.topology(world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        device = input_ids.device if device is None else device
+
+        def to_device(x):
+            return None if x is None else x.to(device)
+
+        if not self.sequence_parallel:
+            return dict(zip(SHARD_KEYS, map(to_device, (input_ids, position_ids, target_ids, attention_mask))))
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}")
+        batch, seq_len = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=input_ids.device)
+        position_ids = _as_batch("position_ids", position_ids, batch, seq_len)
+        target_ids = _as_batch("target_ids", target_ids, batch, seq_len)
+        attention_mask = _as_batch("attention_mask", attention_mask, batch, seq_len)
+        if attention_mask is not None:
+            check_padding(attention_mask.cpu())
+        layout, sp_rank = self.mode.layout(topology), topology.sp_rank(rank)
+        rows = (input_ids, position_ids, target_ids, attention_mask)
+        if self.document_split:
+            self.check_document_split()
+            index = _split_index(self.mode, topology, position_ids, attention_mask, sp_rank)
+            result = {name: None if x is None else to_device(x.gather(1, index)) for name, x in zip(SHARD_KEYS, rows)}
+            result["local_token_index"] = to_device(index)
+            return result
+        return {name: None if x is None else to_device(layout.shard(x, sp_rank, dim=1)) for name, x in zip(SHARD_KEYS, rows)}
+
+    def gather(self, local: torch.Tensor, dim: int = 1, token_index=None) -> torch.Tensor:
+        """All-gather the SP group's local tensors back into sequence order (not differentiable)."""
+        topology = self.topology()
+        if self.document_split and token_index is None:
+            raise ValueError("document_split=True: pass token_index=local['local_token_index'] to gather_seq_parallel_outputs")
+        group = get_groups(topology).sp
+        if group is None:
+            return local
+        pieces = collectives.all_gather(local, group)
+        if token_index is None:
+            return self.mode.layout(topology).unshard(pieces, dim=dim)
+        if dim != 1:
+            raise ValueError(f"token_index orders dim 1 (the sequence), got dim={dim}")
+        index = torch.cat(collectives.all_gather(token_index.to(local.device), group), dim=1)
+        index = index.reshape(*index.shape, *([1] * (local.dim() - 2))).expand(*index.shape, *local.shape[2:])
+        whole = torch.cat(pieces, dim=1)
+        return torch.empty_like(whole).scatter_(1, index, whole)
+
+    def check_same(self, tensors, error) -> None:
+        """Every rank of the SP group must hold the same `tensors`; else ValueError(error(shapes))
+        on every rank (shapes: the first tensor's (rows, columns) by SP rank)."""
+        collectives.check_same(self.groups().sp, tensors, error)
+
+    def dataloader(self, dataloader, accelerator):
+        """data_parallel: the accelerator shards batches over all ranks. Sequence-parallel modes:
+        batches are split over the data-parallel groups only (every rank of an SP group reads the
+        same full sequences and keeps its share through shard)."""
+        if not self.sequence_parallel:
+            return accelerator.prepare(dataloader)
+        world = getattr(accelerator, "num_processes", collectives.world_size())
+        topology = self.topology(world)
+        if topology.dp_size == 1:
+            return dataloader
+        return DataParallelShard(dataloader, topology.dp_rank(getattr(accelerator, "process_index", 0)), topology.dp_size)
+
+    # ------------------------------------------------------------ programs on it
+    def trainer(self, trainer):
+        """The HF Trainer (or TRL SFTTrainer) trains in this context; returns the same trainer."""
+        from easy_context.hf.trainer import prepare
+
+        return prepare(self, trainer)
+
+    def generate(self, model, input_ids, attention_mask=None, **generate_kwargs):
+        """model.generate with the prompt's KV cache sharded over the SP group."""
+        from easy_context.hf.generation import generate_in
+
+        return generate_in(self, model, input_ids, attention_mask, **generate_kwargs)
+
+    @contextlib.contextmanager
+    def decoding_with(self, cache):
+        """While generation decodes: a layer's attention is one step's queries against `cache`."""
+        previous, self.decoding = self.decoding, cache
+        try:
+            yield cache
+        finally:
+            self.decoding = previous
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.options.items() if v is not None)
+        return f"SequenceParallel({self.mode.name!r}, types={sorted(self.model_types)}{', ' if options else ''}{options})"
+
+
+def _as_batch(name: str, x: Optional[torch.Tensor], batch: int, seq_len: int) -> Optional[torch.Tensor]:
+    if x is None:
+        return None
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    if x.dim() != 2 or x.shape[-1] != seq_len or x.shape[0] not in (1, batch):
+        raise ValueError(f"{name} must have shape (batch, seq_len) = ({batch}, {seq_len}), got {tuple(x.shape)}")
+    return x.expand(batch, seq_len)
+
+
+def _split_index(mode, topology, position_ids, attention_mask, sp_rank) -> torch.Tensor:
+    """document_split: this SP rank's rows, (B, S_local) global positions: per row, its ring
+    rank's share of every document (balance.split_documents), cut into Ulysses pieces."""
+    valid = None if attention_mask is None else attention_mask.cpu().bool()
+    mask = SequenceMask.from_positions(position_ids, valid)
+    valid = torch.ones_like(mask.first_key, dtype=torch.bool) if valid is None else valid
+    ring_rank, ulysses_rank = divmod(sp_rank, topology.ulysses_degree)
+    zigzag = topology.ring_degree > 1 and mode.zigzag
+    shares = [split_documents(mask.first_key[b], valid[b], topology.ring_degree, zigzag)[ring_rank] for b in range(len(valid))]
+    return torch.stack([share.chunk(topology.ulysses_degree)[ulysses_rank] for share in shares]).to(position_ids.device)
+
+
+class DataParallelShard:
+    """Batch i of the wrapped loader goes to data-parallel group i % dp_size.
+
+    Every rank of one SP group reads the same batches; all groups get the same number of
+    batches (the tail that does not divide is dropped) so no group waits on another.
+    """
+
+    def __init__(self, loader, dp_rank: int, dp_size: int):
+        self.loader, self.dp_rank, self.dp_size = loader, dp_rank, dp_size
+
+    def __len__(self) -> int:
+        return len(self.loader) // self.dp_size
+
+    def __iter__(self):
+        stop = len(self) * self.dp_size if hasattr(self.loader, "__len__") else None
+        return itertools.islice(self.loader, self.dp_rank, stop, self.dp_size)
+
+
+# ---------------------------------------------------------------- the installed context
+def active() -> Optional[SequenceParallel]:
+    return patch.active()
+
+
+def setup(mode: str, model_or_type, **options) -> SequenceParallel:
+    """Resolve `mode` with its options for a model (or a model type, or a config) and install
+    the patch; see apply_seq_parallel_monkey_patch for the rules. Returns the context."""
+    resolved = get_mode(mode)
+    check_option_names("apply_seq_parallel_monkey_patch", options)
+    model_types = architectures.model_types_of(model_or_type)
+    for model_type in model_types:
+        architectures.check_model_type(model_type)
+    context = SequenceParallel(resolved, model_types, **options)
+    context.topology()  # impossible combinations fail now
+    if context.document_split:
+        context.check_document_split()
+    if not context.sequence_parallel:  # data_parallel: models keep their own attention
+        teardown()
+        return context
+    current = active()
+    if context.same_setup(current):
+        context.model_types |= current.model_types
+    patch.install(context)
+    if collectives.world_size() > 1:
+        context.groups()  # collective: every rank calls setup, so create the groups now
+    return context
+
+
+def teardown() -> None:
+    """Restore transformers' own attention and mask functions."""
+    patch.uninstall()
+
+
+def context_for(where: str, mode: str, options: dict) -> SequenceParallel:
+    """The context of a call naming `mode` with `options`: the installed one when it runs that
+    mode (the call's options default to its own and may not contradict them), else a context
+    of its own, not installed."""
+    resolved = get_mode(mode)
+    current = active()
+    if current is not None and current.mode is resolved:
+        return current.with_options(where, options)
+    check_option_names(where, options)
+    return SequenceParallel(resolved, **options)
