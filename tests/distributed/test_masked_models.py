@@ -15,7 +15,7 @@ from easy_context import (
     remove_seq_parallel_monkey_patch,
 )
 from easy_context.hf import active_patch
-from test_models import errors, step
+from exactness import errors, step
 from tiny_models import tiny_batch, tiny_model
 
 SEQ = 96

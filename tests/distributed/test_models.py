@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from exactness import errors, step
 from ranks import run_ranks
 from easy_context import (
     apply_seq_parallel_monkey_patch,
@@ -36,20 +37,6 @@ RUNS = [
     ("zigzag_ring_attn", 4, {"sp_size": 2}),
     ("usp_attn", 4, {"sp_size": 2, "ring_degree": 1}),
 ]
-
-
-def step(model, input_ids, position_ids, target_ids, group=None, attention_mask=None):
-    """Forward + backward of the token-weighted mean loss over the whole (sharded) sequence.
-
-    Each rank back-propagates its own tokens' share; the full gradient is the sum over ranks.
-    """
-    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).logits
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target_ids.flatten(), ignore_index=-100, reduction="sum")
-    stats = torch.stack([loss_sum.detach(), (target_ids != -100).sum().to(loss_sum.dtype)])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    (loss_sum / stats[1]).backward()
-    return logits.detach(), (stats[0] / stats[1]).item()
 
 
 def data_seed(dp_rank):
@@ -89,17 +76,6 @@ def reference(case, dp_rank=0, weights_dtype=None, seq=SEQ):
     input_ids, target_ids = tiny_batch(batch, seq, seed=data_seed(dp_rank))
     logits, loss = step(model, input_ids, None, target_ids)
     return logits, loss, {n: p.grad.float() for n, p in model.named_parameters()}
-
-
-def errors(got, want):
-    """(max-abs logits error, abs loss error, worst per-parameter max-abs relative grad error)."""
-    assert got[0].shape == want[0].shape and set(got[2]) == set(want[2])
-    logits_err = (got[0].float() - want[0].float()).abs().max().item()
-    loss_err = abs(got[1] - want[1])
-    grad_err = max(
-        ((got[2][n] - want[2][n]).abs().max() / want[2][n].abs().max().clamp(min=1e-12)).item() for n in want[2]
-    )
-    return logits_err, loss_err, grad_err
 
 
 @pytest.mark.timeout(400)

@@ -20,7 +20,7 @@ from easy_context import hf
 from easy_context.hf import admission
 from easy_context.hf.architectures import check_training_config, logits_head, model_types_of
 from easy_context.hf import active_patch
-from test_models import errors, step
+from exactness import errors, step
 from tiny_models import ARCHITECTURES, WINDOW, tiny_batch, tiny_config, tiny_model
 
 SEQ = 128

@@ -25,7 +25,7 @@ import torch
 from test_kernels import assert_close, inputs, make_mask, reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from easy_context.core import kernels
+from easy_context.core import kernel_backends, kernels
 
 aten = torch.ops.aten
 
@@ -69,8 +69,8 @@ def meta_inputs(hq, hkv, sq, sk, dtype, d=64):
 def check_cuda_flash_backward_call(module, dtype=torch.bfloat16, hq=8, hkv=8):
     q, k, v, dout = meta_inputs(hq, hkv, 40, 40, dtype)
     with CallRecorder() as rec:
-        out, lse = module._cuda_flash_forward(q, k, v, True, 0.125)
-        dq, dk, dv = module._cuda_flash_backward(dout, q, k, v, out, lse, True, 0.125)
+        out, lse = module.cuda_flash_forward(q, k, v, True, 0.125)
+        dq, dk, dv = module.cuda_flash_backward(dout, q, k, v, out, lse, True, 0.125)
     call = rec.only(aten._scaled_dot_product_flash_attention_backward.default)
     # Undefined, as the forward returns them: defined ones select the variable-length kernel.
     assert call["cum_seq_q"] is None and call["cum_seq_k"] is None, (call["cum_seq_q"], call["cum_seq_k"])
@@ -80,7 +80,7 @@ def check_cuda_flash_backward_call(module, dtype=torch.bfloat16, hq=8, hkv=8):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2)])
 def test_cuda_flash_calls_match_the_op_schemas(dtype, hq, hkv):
-    rec, (q, k, v, dout, out, lse), (dq, dk, dv) = check_cuda_flash_backward_call(kernels, dtype, hq, hkv)
+    rec, (q, k, v, dout, out, lse), (dq, dk, dv) = check_cuda_flash_backward_call(kernel_backends, dtype, hq, hkv)
     forward = rec.only(aten._scaled_dot_product_flash_attention.default)
     # GQA native, the strided views as they came
     assert forward["query"] is q and forward["key"] is k and forward["value"] is v
@@ -136,8 +136,8 @@ def test_cuda_efficient_calls_match_the_op_schemas(dtype, hq, hkv, masked):
 def test_cuda_efficient_causal_call_on_meta_with_an_out_in_another_layout():
     q, k, v, dout = meta_inputs(4, 4, 48, 48, torch.float16)
     with CallRecorder() as rec:
-        out, lse = kernels._cuda_efficient_forward(q, k, v, True, 0.125)
-        kernels._cuda_efficient_backward(dout, q, k, v, out.contiguous(), lse, True, 0.125)
+        out, lse = kernel_backends.cuda_efficient_forward(q, k, v, True, 0.125)
+        kernel_backends.cuda_efficient_backward(dout, q, k, v, out.contiguous(), lse, True, 0.125)
     assert rec.only(aten._scaled_dot_product_efficient_attention.default)["is_causal"] is True
     backward = rec.only(aten._scaled_dot_product_efficient_attention_backward.default)
     assert backward["is_causal"] is True
@@ -300,15 +300,14 @@ def flash_attn_2_0_backward(
 
 
 @contextlib.contextmanager
-def fake_flash_attn(backward, module=kernels):
+def fake_flash_attn(backward, module=kernel_backends):
     """`flash_attn` and `flash_attn.flash_attn_interface` in sys.modules, for `module`'s lookups."""
     interface = types.ModuleType("flash_attn.flash_attn_interface")
     interface.flash_attn_func, interface._flash_attn_backward = fake_flash_attn_func, backward
     package = types.ModuleType("flash_attn")
     package.flash_attn_interface = interface
     saved = {name: sys.modules.get(name) for name in (package.__name__, interface.__name__)}
-    caches = [getattr(module, n) for n in ("_flash_attn_module", "_flash_attn_usable", "_flash_attn_has_softcap")
-              if hasattr(module, n)]
+    caches = [getattr(module, n) for n in ("_flash_attn_module", "flash_attn_usable", "flash_attn_has_softcap")]
     sys.modules.update({package.__name__: package, interface.__name__: interface})
     for cache in caches:
         cache.cache_clear()
@@ -327,7 +326,7 @@ def fake_flash_attn(backward, module=kernels):
 def check_flash_attn_backend(module, backward, dtype=torch.float32, hq=4, hkv=2, causal=True):
     q, k, v, dout = inputs(hq, hkv, 32, 32, dtype, layout="bshd", seed=3)
     be = module.BACKENDS["flash_attn"]
-    with fake_flash_attn(backward, module):
+    with fake_flash_attn(backward):
         out, lse = module.attention_forward(q, k, v, causal, 0.3, be)
         dq, dk, dv = module.attention_backward(dout, q, k, v, out, lse, causal, 0.3, be)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
@@ -379,13 +378,13 @@ def test_flash_attn_signature_is_read_from_the_custom_op_schema_once():
     # What broke the old lookup: a CustomOpDef's Python signature names nothing.
     assert type(flash_attn_2_8_backward).__name__ == "CustomOpDef"
     assert str(inspect.signature(flash_attn_2_8_backward)) == "(*args, **kwargs)"
-    names = kernels._parameter_names(flash_attn_2_8_backward)
+    names = kernel_backends.parameter_names(flash_attn_2_8_backward)
     assert {"window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic"} <= names
-    kernels._flash_attn_backward_options.cache_clear()
+    kernel_backends.flash_attn_backward_options.cache_clear()
     check_flash_attn_backend(kernels, flash_attn_2_8_backward)
-    misses = kernels._flash_attn_backward_options.cache_info().misses
+    misses = kernel_backends.flash_attn_backward_options.cache_info().misses
     check_flash_attn_backend(kernels, flash_attn_2_8_backward)
-    assert kernels._flash_attn_backward_options.cache_info().misses == misses == 1
+    assert kernel_backends.flash_attn_backward_options.cache_info().misses == misses == 1
 
 
 # ------------------------------------------------------------------------- gating

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from easy_context.core import kernels
+from easy_context.core import kernel_backends, kernels
 from easy_context.core.ring import merge_block
 
 CPU_BACKENDS = kernels.available_backends("cpu", torch.float32)
@@ -290,8 +290,8 @@ def test_math_backend_in_row_tiles_equals_one_tile(monkeypatch, causal, kind, so
     math_backend = kernels.BACKENDS["math"]
     one = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     one_grads = kernels.attention_backward(dout, q, k, v, *one, causal, 0.25, math_backend, mask=mask, softcap=softcap)
-    monkeypatch.setattr(kernels, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
-    assert len(kernels._row_tiles(q, k)) == 6
+    monkeypatch.setattr(kernel_backends, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
+    assert len(kernel_backends.row_tiles(q, k)) == 6
     tiled = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     tiled_grads = kernels.attention_backward(dout, q, k, v, *tiled, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     for got, want in zip((*tiled, *tiled_grads), (*one, *one_grads)):  # fp32 sums in another order
