@@ -35,7 +35,7 @@ from easy_context.programs.data import embedded_prose
 from easy_context.programs.evaluation import load_scorer, resolve_model
 from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
 from easy_context.programs.launch import fail as launch_fail
-from easy_context.modes import get_mode
+from easy_context.modes import get_mode, modes_with
 from easy_context.programs.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
 from easy_context.programs.plots import needle_heatmap
 
@@ -91,8 +91,8 @@ def parse_args(argv=None):
         errors.append(f"--haystack_dir {args.haystack_dir}: no .txt files there")
     if args.max_new_tokens is not None and (not args.generate or args.max_new_tokens < 1):
         errors.append(f"--max_new_tokens needs --generate and a value >= 1, got {args.max_new_tokens}")
-    if args.ring_degree is not None and args.parallel_mode != "usp_attn":
-        errors.append(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
+    if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
+        errors.append(f"--ring_degree applies to {' / '.join(modes_with('takes_ring_degree'))} only (got --parallel_mode {args.parallel_mode})")
     if errors:
         p.error("; ".join(errors))
     return args

@@ -37,7 +37,7 @@ from easy_context.programs.data import load_any_dataset, stdlib_heldout_document
 from easy_context.programs.evaluation import load_scorer, resolve_model
 from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
 from easy_context.programs.launch import fail as launch_fail
-from easy_context.modes import get_mode
+from easy_context.modes import get_mode, modes_with
 from easy_context.programs.plots import perplexity_curves
 
 
@@ -85,8 +85,8 @@ def parse_args(argv=None):
         errors.append(f"--samples must be >= 0, got {args.samples}")
     if args.dataset and args.tokenized:
         errors.append("give --dataset (raw text) or --tokenized (input_ids), not both")
-    if args.ring_degree is not None and args.parallel_mode != "usp_attn":
-        errors.append(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
+    if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
+        errors.append(f"--ring_degree applies to {' / '.join(modes_with('takes_ring_degree'))} only (got --parallel_mode {args.parallel_mode})")
     if errors:
         p.error("; ".join(errors))
     if args.dataset_min_tokens is None:

@@ -41,7 +41,7 @@ from easy_context.programs.launch import fail as launch_fail
 from easy_context.programs.loss import chunked_cross_entropy_sum, global_token_mean
 from easy_context.hf.architectures import check_training_config, logits_head
 from easy_context.programs.models import check_config, load_config, load_pretrained
-from easy_context.modes import get_mode
+from easy_context.modes import get_mode, modes_with
 from easy_context.programs.tiled_mlp import tile_mlps
 from easy_context.versions import enable_activation_checkpointing
 
@@ -112,8 +112,8 @@ def parse_args(argv=None):
         errors.append(f"--skip-nonfinite-steps must be >= 0, got {args.skip_nonfinite_steps}")
     if args.tiled_mlp < 0:
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
-    if args.ring_degree is not None and args.parallel_mode != "usp_attn":
-        errors.append(f"--ring_degree applies to usp_attn only (got --parallel_mode {args.parallel_mode})")
+    if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
+        errors.append(f"--ring_degree applies to {' / '.join(modes_with('takes_ring_degree'))} only (got --parallel_mode {args.parallel_mode})")
     if args.streaming and args.dataset is None:
         errors.append("--streaming needs --dataset (the embedded corpus is built in memory)")
     if args.retrieval_fraction is not None and (args.dataset is not None or not 0 <= args.retrieval_fraction <= 1):

@@ -2,7 +2,9 @@
 
 A mode says how its SP group is split between a ring and Ulysses (`ring_degree`), whether
 the ring part uses the zigzag layout, and which attention function runs over the groups.
-Kernels, ring core, process groups, HF integration and the API are shared.
+Kernels, ring core, process groups, HF integration and the API are shared. A mode also
+declares what it supports and what it costs (modes/costs.py), so that programs ask the mode
+instead of comparing its name.
 """
 
 from __future__ import annotations
@@ -13,8 +15,17 @@ from typing import Callable, Optional
 
 from easy_context.core.layout import WHOLE_SEQUENCE, Layout
 from easy_context.core.groups import Topology, divisors
+from easy_context.modes.costs import Activations, AttentionShape, Traffic
 
 __all__ = ["SeqParallelMode", "get_mode", "modes_with", "MODE_NAMES", "BUILT_MODES"]
+
+
+def no_traffic(shape: AttentionShape) -> Traffic:
+    return Traffic()
+
+
+def no_activations(shape: AttentionShape) -> Activations:
+    return Activations()
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,33 @@ class SeqParallelMode:
     # the way it cuts one causal row. Ulysses alone is balanced already (every rank attends the
     # whole sequence for its heads), data_parallel has nothing to split.
     document_split: bool = False
+    # The caller chooses how the SP group splits between the ring and Ulysses (ring_degree);
+    # the other modes fix the split and refuse any other value.
+    takes_ring_degree: bool = False
+    # sp_size -> the ring degrees a planner considers (None: the mode's one split).
+    ring_degree_choices: Optional[Callable[[int], tuple]] = None
+    # Costs of one layer on one rank (modes/costs.py): bytes sent, and activation bytes per token.
+    traffic: Callable[[AttentionShape], Traffic] = no_traffic
+    activations: Callable[[AttentionShape], Activations] = no_activations
+    # Under activation checkpointing the mode keeps each layer's attention output (and lse), so
+    # the recompute neither runs nor communicates the attention forward again.
+    keeps_attention_output: bool = False
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Splits sequences over ranks (data_parallel keeps the model's own attention)."""
+        return self.attention is not None
+
+    def ring_degrees_to_plan(self, sp_size: int) -> tuple:
+        """The ring degrees worth planning for an SP group of sp_size ranks: none for a
+        sequence-parallel mode on one rank (that is data_parallel's plan)."""
+        if not self.sequence_parallel:
+            return (1,) if sp_size == 1 else ()
+        if sp_size == 1:
+            return ()
+        if self.ring_degree_choices is not None:
+            return tuple(self.ring_degree_choices(sp_size))
+        return (self.ring_degree(sp_size, None),)
 
     def topology(self, world_size: int, sp_size: Optional[int] = None, ring_degree: Optional[int] = None) -> Topology:
         if self.attention is None:  # data_parallel: every rank holds whole sequences

@@ -15,6 +15,7 @@ from easy_context.core.kernels import accumulation_dtype
 from easy_context.core.layout import Layout
 from easy_context.core.masking import FULL_ROWS, Block
 from easy_context.modes import SeqParallelMode, fixed_ring_degree
+from easy_context.modes.costs import Activations, AttentionShape, balanced_schedule_traffic
 from easy_context.core.p2p import buffer_like, exchange
 from easy_context.core.remat import AttentionOutputCache, in_backward
 from easy_context.core.ring import Kernels, backward_blocks, finish_forward, fold_sinks, forward_blocks, merge_block, safe_lse, sinks_grad
@@ -260,6 +261,14 @@ def dist_flash_attention(q, k, v, scale, group=None, layer=None, mask=None, soft
     return _DistFlashAttention.apply(q, k, v, sinks, scale, group, layer, mask, torch.is_grad_enabled(), softcap)
 
 
+def dist_flash_activations(shape: AttentionShape) -> Activations:
+    """Per token: in the backward the prefetched q, k, v and the fp32 partial dK/dV going back;
+    under checkpointing the remat cache's output and fp32 lse of every layer."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    buffers = 2 * shape.dtype_bytes * (q + 2 * kv) + shape.accumulate_bytes * 2 * kv if shape.sp_size > 1 else 0
+    return Activations(backward_buffers=buffers, kept_for_recompute=shape.dtype_bytes * q + 4 * shape.heads)
+
+
 MODE = SeqParallelMode(
     "dist_flash_attn",
     ring_degree=fixed_ring_degree("dist_flash_attn", lambda sp: sp, "it has no Ulysses part"),
@@ -268,4 +277,7 @@ MODE = SeqParallelMode(
         q, k, v, scale, groups.ring, layer, mask, **logits
     ),
     document_split=True,
+    traffic=balanced_schedule_traffic,
+    activations=dist_flash_activations,
+    keeps_attention_output=True,
 )

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from easy_context.modes import SeqParallelMode, fixed_ring_degree
+from easy_context.modes.costs import (Activations, AttentionShape, Traffic, all_to_all_buffers, all_to_all_traffic,
+                                      kv_replication, ring_buffers, ring_traffic)
 from easy_context.core.groups import divisors
 from easy_context.modes.zigzag_ring_attn import zigzag_ring_attention
 
@@ -124,9 +126,31 @@ def ulysses_attention(q, k, v, scale, groups, layer=None, mask=None, softcap=Non
     return heads_to_seq(zigzag_ring_attention(q, k, v, scale, groups.ring, mask, softcap, sinks), group)
 
 
+def ulysses_traffic(shape: AttentionShape) -> Traffic:
+    """The all-to-alls, and the zigzag ring (when ring_degree > 1) over the heads-sharded
+    tensors: ring_degree ranks, each with the K/V heads its Ulysses rank holds (replicated
+    ones included) over local_len x ulysses_degree tokens, the same bytes as all K/V heads
+    over local_len tokens."""
+    kv_heads = shape.kv_heads * kv_replication(shape)
+    return all_to_all_traffic(shape) + ring_traffic(shape, kv_heads)
+
+
+def ulysses_activations(shape: AttentionShape) -> Activations:
+    """Per token: K/V saved with their replicated heads, the inner attention's output saved
+    besides the all-to-all's, and the all-to-all (and ring) buffers in the backward."""
+    if shape.ulysses_degree == 1:
+        return Activations(backward_buffers=ring_buffers(shape, shape.kv_heads * shape.head_dim))
+    rep = kv_replication(shape)
+    ring = ring_buffers(shape, shape.kv_heads * rep * shape.head_dim)
+    return Activations(kv_replication=rep, saved=shape.dtype_bytes * shape.heads * shape.head_dim,
+                       backward_buffers=ring + all_to_all_buffers(shape))
+
+
 MODE = SeqParallelMode(
     "ulysses_attn",
     ring_degree=fixed_ring_degree("ulysses_attn", lambda sp: 1, "use usp_attn to add a ring"),
     zigzag=False,
     attention=ulysses_attention,
+    traffic=ulysses_traffic,
+    activations=ulysses_activations,
 )

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from easy_context.core.groups import divisors
 from easy_context.modes import SeqParallelMode
-from easy_context.modes.ulysses_attn import ulysses_attention
+from easy_context.modes.ulysses_attn import ulysses_activations, ulysses_attention, ulysses_traffic
 
 
 def _ring_degree(sp_size: int, requested: Optional[int]) -> int:
@@ -19,5 +20,15 @@ def _ring_degree(sp_size: int, requested: Optional[int]) -> int:
     return 1 if requested is None else requested
 
 
-MODE = SeqParallelMode("usp_attn", ring_degree=_ring_degree, zigzag=True, attention=ulysses_attention,
-                       document_split=True)
+MODE = SeqParallelMode(
+    "usp_attn",
+    ring_degree=_ring_degree,
+    zigzag=True,
+    attention=ulysses_attention,
+    document_split=True,
+    takes_ring_degree=True,
+    # ring_degree 1 is ulysses_attn's split and sp_size zigzag_ring_attn's: planned under those
+    ring_degree_choices=lambda sp: tuple(r for r in divisors(sp) if 1 < r < sp),
+    traffic=ulysses_traffic,        # the same attention as ulysses_attn, so the same costs
+    activations=ulysses_activations,
+)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from easy_context.core.layout import Layout
 from easy_context.core.masking import Block
 from easy_context.modes import SeqParallelMode, fixed_ring_degree
+from easy_context.modes.costs import Activations, ring_buffers, ring_traffic
 from easy_context.core.ring import MaskedRingPlan, ring_attention
 
 _ALL = slice(None)
@@ -66,4 +67,6 @@ MODE = SeqParallelMode(
         q, k, v, scale, groups.ring, mask, **logits
     ),
     document_split=True,
+    traffic=lambda shape: ring_traffic(shape, shape.kv_heads),
+    activations=lambda shape: Activations(backward_buffers=ring_buffers(shape, shape.kv_heads * shape.head_dim)),
 )

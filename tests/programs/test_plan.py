@@ -1,4 +1,4 @@
-"""The planner (easy_context/programs/plan.py): CLI, JSON, mode constraints, monotonicity, published
+"""The planner (easy_context/programs/plan/): CLI, JSON, mode constraints, monotonicity, published
 verdicts and error messages. Pure arithmetic: no distributed runs, seconds in all."""
 
 import dataclasses

@@ -1,0 +1,89 @@
+"""Plan a long-context training run: per-rank peak memory and a throughput estimate for every
+feasible mode x memory-option combination, and a recommendation (`python -m
+easy_context.programs.plan`, cli.py; docs/planner.md).
+
+catalogue: models, devices, options; memory: the peak-memory model; speed: the roofline;
+planner: layouts, rows, the recommendation; cli: the table and the command line. What a
+mode costs (bytes sent, activation terms) the mode declares (easy_context/modes/costs.py).
+"""
+
+from easy_context.programs.plan.catalogue import (
+                                                  DEVICES,
+                                                  GIB,
+                                                  MIB,
+                                                  PRESETS,
+                                                  ZERO_CHOICES,
+                                                  Device,
+                                                  ModelShape,
+                                                  Options,
+                                                  PlanError,
+                                                  get_device,
+                                                  load_model,
+                                                  shape_from_config,
+)
+from easy_context.programs.plan.cli import (
+                                                  COLUMNS,
+                                                  main,
+                                                  parse_args,
+                                                  render,
+                                                  table_cells,
+)
+from easy_context.programs.plan.memory import (
+                                                  activation_terms,
+                                                  attention_shape,
+                                                  attention_transient,
+                                                  default_chunk,
+                                                  default_tile,
+                                                  estimate,
+                                                  loss_bytes_per_token,
+)
+from easy_context.programs.plan.planner import (
+                                                  candidate_options,
+                                                  check_layout,
+                                                  complexity,
+                                                  flags_of,
+                                                  layout_multiple,
+                                                  layouts,
+                                                  plan,
+                                                  row_of,
+                                                  smallest_fit,
+)
+from easy_context.programs.plan.speed import EFFICIENCY, throughput
+
+__all__ = [
+                                                  "COLUMNS",
+                                                  "DEVICES",
+                                                  "EFFICIENCY",
+                                                  "GIB",
+                                                  "MIB",
+                                                  "PRESETS",
+                                                  "ZERO_CHOICES",
+                                                  "Device",
+                                                  "ModelShape",
+                                                  "Options",
+                                                  "PlanError",
+                                                  "activation_terms",
+                                                  "attention_shape",
+                                                  "attention_transient",
+                                                  "candidate_options",
+                                                  "check_layout",
+                                                  "complexity",
+                                                  "default_chunk",
+                                                  "default_tile",
+                                                  "estimate",
+                                                  "flags_of",
+                                                  "get_device",
+                                                  "layout_multiple",
+                                                  "layouts",
+                                                  "load_model",
+                                                  "loss_bytes_per_token",
+                                                  "main",
+                                                  "parse_args",
+                                                  "plan",
+                                                  "render",
+                                                  "row_of",
+                                                  "shape_from_config",
+                                                  "smallest_fit",
+                                                  "table_cells",
+                                                  "throughput",
+]

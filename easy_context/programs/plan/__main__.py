@@ -1,0 +1,5 @@
+import sys
+
+from easy_context.programs.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,199 @@
+"""What the planner plans for: model shapes (presets and HF configs), devices, and the
+options of one run (mode, split, memory options, ZeRO setting)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+__all__ = [
+    "DEVICES",
+    "GIB",
+    "MIB",
+    "PRESETS",
+    "ZERO_CHOICES",
+    "Device",
+    "ModelShape",
+    "Options",
+    "PlanError",
+    "get_device",
+    "load_model",
+    "shape_from_config",
+]
+
+GIB, MIB = 2 ** 30, 2 ** 20
+
+
+class PlanError(ValueError):
+    """Bad input or nothing fits; the message says what would work."""
+
+
+# ----------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+    experts: int = 1              # routed experts per MoE layer (1: dense MLP)
+    experts_per_token: int = 1
+
+    @property
+    def q(self) -> int:           # query (and attention output) width
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:          # key (= value) width
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden * (self.q + 2 * self.kv) + self.q * self.hidden
+        mlp = 3 * self.hidden * self.intermediate * self.experts + (self.hidden * self.experts if self.experts > 1 else 0)
+        return attn + mlp + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def active_intermediate(self) -> int:   # MLP width a token goes through
+        return self.intermediate * self.experts_per_token
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights a token multiplies with (2 FLOPs each in the forward): layers + output layer."""
+        attn = self.hidden * (self.q + 2 * self.kv) + self.q * self.hidden
+        return self.layers * (attn + 3 * self.hidden * self.active_intermediate) + self.vocab * self.hidden
+
+
+# Published configs (config.json of the hub checkpoints).
+PRESETS = {
+    "llama-2-7b": ModelShape("llama-2-7b", 4096, 11008, 32, 32, 32, 128, 32000),
+    "llama-2-13b": ModelShape("llama-2-13b", 5120, 13824, 40, 40, 40, 128, 32000),
+    "llama-3-8b": ModelShape("llama-3-8b", 4096, 14336, 32, 32, 8, 128, 128256),
+    "llama-3-70b": ModelShape("llama-3-70b", 8192, 28672, 80, 64, 8, 128, 128256),
+    "mistral-7b": ModelShape("mistral-7b", 4096, 14336, 32, 32, 8, 128, 32000),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 3584, 18944, 28, 28, 4, 128, 152064),
+    # scripts/bench_train.py's model (what the CPU validation measures)
+    "tiny-bench": ModelShape("tiny-bench", 256, 688, 4, 4, 2, 64, 32000),
+}
+PRESETS["llama-3.1-8b"] = replace(PRESETS["llama-3-8b"], name="llama-3.1-8b")
+
+
+def shape_from_config(config, name: str) -> ModelShape:
+    config = getattr(config, "text_config", None) or config
+    get = lambda *keys, default=None: next((getattr(config, k) for k in keys if getattr(config, k, None) is not None), default)
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if not hidden or not heads or not get("num_hidden_layers") or not get("vocab_size"):
+        raise PlanError(f"{name}: the config has no hidden_size / num_attention_heads / num_hidden_layers / vocab_size")
+    experts = get("num_local_experts", "num_experts", "n_routed_experts", default=1) or 1
+    inter = get("moe_intermediate_size", default=None) if experts > 1 else None
+    return ModelShape(
+        name=name, hidden=hidden, intermediate=inter or get("intermediate_size", default=4 * hidden),
+        layers=get("num_hidden_layers"), heads=heads, kv_heads=get("num_key_value_heads", default=heads),
+        head_dim=get("head_dim", default=hidden // heads), vocab=get("vocab_size"),
+        tied=bool(get("tie_word_embeddings", default=False)), experts=experts,
+        experts_per_token=get("num_experts_per_tok", "num_experts_per_token", default=1) if experts > 1 else 1)
+
+
+def load_model(name: str) -> ModelShape:
+    """A preset name, a local config dir / config.json, or a hub name already in the local cache."""
+    if name.lower() in PRESETS:
+        return PRESETS[name.lower()]
+    try:
+        from transformers import AutoConfig
+    except ImportError as error:  # pragma: no cover
+        raise PlanError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}) and transformers is missing") from error
+    path = name
+    if os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=not os.environ.get("EASY_CONTEXT_PLAN_ONLINE"))
+    except Exception as error:  # OSError, ValueError, EnvironmentError from the hub client
+        raise PlanError(
+            f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), not a local config folder, and not a hub "
+            f"model in the local cache ({type(error).__name__}: {str(error).splitlines()[0][:160]}); set "
+            "EASY_CONTEXT_PLAN_ONLINE=1 to look it up on the hub") from None
+    return shape_from_config(config, name)
+
+
+# ---------------------------------------------------------------------------- devices
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_gib: float
+    tflops: float            # dense bf16 peak (fp32 for cpu), per device
+    link_gbs: float          # per-device bandwidth to the other devices of its node, one direction
+    network_gbs: float       # per-device bandwidth across nodes
+    pcie_gbs: float          # host <-> device copies
+    runtime_gib: float       # CUDA context, NCCL and cuBLAS workspaces (cpu: interpreter + torch + transformers)
+    per_node: int = 8
+    optimizer_params_per_s: float = 5e8   # CPU Adam (offloaded optimizer), per rank
+
+
+def _cpu_memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) / 2 ** 20
+    except OSError:  # pragma: no cover
+        return 16.0
+
+
+DEVICES = {
+    "a100-40g": Device("a100-40g", 40.0, 312.0, 300.0, 25.0, 25.0, 2.0),
+    "a100-80g": Device("a100-80g", 80.0, 312.0, 300.0, 25.0, 25.0, 2.0),
+    "h100-80g": Device("h100-80g", 80.0, 989.0, 450.0, 50.0, 50.0, 2.0),
+    "h200": Device("h200", 140.0, 989.0, 450.0, 50.0, 50.0, 2.0),
+    # The CPU machine the validation runs on: one process per rank, fp32, gloo. Runtime =
+    # RSS of a rank before the step minus its weights (docs/bench_train.csv: 392-397 MiB).
+    "cpu": Device("cpu", 0.0, 0.1, 5.0, 1.0, 1000.0, 395 / 1024, per_node=1 << 20, optimizer_params_per_s=2e8),
+}
+DEVICES["h100"] = DEVICES["h100-80g"]
+DEVICES["a100"] = DEVICES["a100-80g"]
+
+
+def get_device(name: Optional[str], memory_gib: Optional[float] = None) -> Device:
+    if name is None:
+        name = "h100-80g"
+    key = name.lower()
+    if key not in DEVICES:
+        raise PlanError(f"unknown GPU {name!r}; choose one of {sorted(set(DEVICES))} (or give --gpu-memory-gib with any of them)")
+    device = DEVICES[key]
+    if key == "cpu":
+        device = replace(device, memory_gib=_cpu_memory_gib())
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            raise PlanError(f"--gpu-memory-gib must be positive, got {memory_gib}")
+        device = replace(device, memory_gib=memory_gib)
+    return device
+
+
+# ---------------------------------------------------------------------------- options
+ZERO_CHOICES = ("none", "zero3", "zero3-opt-offload", "zero3-offload")
+
+
+@dataclass(frozen=True)
+class Options:
+    mode: str
+    sp: int
+    ring_degree: int
+    checkpointing: bool = False
+    offload_checkpoints: bool = False
+    tiled_mlp: int = 0            # tokens per MLP tile (0: off)
+    loss_chunk: int = 0           # tokens per loss chunk (0: the whole local sequence at once)
+    zero: str = "none"
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.sp // self.ring_degree

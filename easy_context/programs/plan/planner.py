@@ -1,0 +1,185 @@
+"""The planner: the layouts the modes accept, every memory option on each, a row per
+combination (peak memory, tokens/s) and the recommendation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Optional
+
+from easy_context.modes import BUILT_MODES, get_mode
+from easy_context.programs.plan.catalogue import (
+    GIB,
+    ZERO_CHOICES,
+    Device,
+    ModelShape,
+    Options,
+    PlanError,
+)
+from easy_context.programs.plan.memory import default_chunk, default_tile, estimate
+from easy_context.programs.plan.speed import throughput
+
+__all__ = [
+    "candidate_options",
+    "check_layout",
+    "complexity",
+    "flags_of",
+    "layout_multiple",
+    "layouts",
+    "plan",
+    "row_of",
+    "smallest_fit",
+]
+
+
+def _topology_and_layout(mode: str, sp: int, ring: int):
+    """The mode's own topology and layout for one SP group of `sp` ranks (raises ValueError
+    where the mode refuses the split): the planner asks the code that runs, not a copy of
+    its rules."""
+    spec = get_mode(mode)
+    topology = spec.topology(sp, sp, ring)
+    return topology, spec.layout(topology)
+
+
+def layout_multiple(mode: str, sp: int, ring: int) -> int:
+    """What the sequence length must divide by (the mode's layout.multiple)."""
+    return _topology_and_layout(mode, sp, ring)[1].multiple
+
+
+def check_layout(model: ModelShape, seq: int, mode: str, sp: int, ring: int) -> Optional[str]:
+    """None when the mode runs this layout, else why not: the mode's own topology and length
+    checks, and the head split models.check_config makes before the first forward."""
+    try:
+        topology, layout = _topology_and_layout(mode, sp, ring)
+        layout.check_length(seq)
+    except ValueError as error:
+        return str(error)
+    if model.heads % topology.ulysses_degree:
+        return f"num_attention_heads={model.heads} does not split over ulysses_degree={topology.ulysses_degree}"
+    return None
+
+
+def layouts(model: ModelShape, seq: int, gpus: int, sp_sizes=None, modes=None):
+    """(mode, sp, ring) that run on `gpus` ranks, and the ones refused with the reason."""
+    ok, refused = [], []
+    for sp in [d for d in range(1, gpus + 1) if gpus % d == 0]:
+        if sp_sizes and sp not in sp_sizes:
+            continue
+        for mode in BUILT_MODES:
+            if modes and mode not in modes:
+                continue
+            for r in get_mode(mode).ring_degrees_to_plan(sp):
+                why = check_layout(model, seq, mode, sp, r)
+                (refused if why else ok).append((mode, sp, r, why) if why else (mode, sp, r))
+    return ok, refused
+
+
+def candidate_options(model: ModelShape, seq: int, layout, zero_choices, tile: int, chunk: int):
+    mode, sp, ring = layout
+    local = seq // sp  # a tile or chunk at least this long changes nothing: not a separate row
+    for ckpt, off in ((False, False), (True, False), (True, True)):
+        for t in (0, tile) if tile < local else (0,):
+            for c in (0, chunk) if chunk < local else (0,):
+                for z in zero_choices:
+                    yield Options(mode, sp, ring, ckpt, off, t, c, z)
+
+
+def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads=True) -> dict:
+    mem = estimate(model, seq, gpus, o, device, dtype, persistent_grads)
+    tp = throughput(model, seq, gpus, o, device, dtype)
+    budget = device.memory_gib * GIB * (1 - margin)
+    return {
+        "mode": o.mode, "sp_size": o.sp, "ring_degree": o.ring_degree, "ulysses_degree": o.ulysses_degree,
+        "dp_size": gpus // o.sp, "activation_checkpointing": o.checkpointing, "offload_checkpoints": o.offload_checkpoints,
+        "tiled_mlp": o.tiled_mlp, "loss_chunk_size": o.loss_chunk, "zero": o.zero,
+        "peak_gib": round(mem["peak_bytes"] / GIB, 3), "fits": mem["peak_bytes"] <= budget,
+        "tokens_per_s": round(tp["tokens_per_s"], 1), "step_s": round(tp["step_s"], 3), "limiter": tp["limiter"],
+        "peak_phase": mem["peak_phase"], "terms_gib": {k: round(v / GIB, 3) for k, v in mem["terms"].items()},
+    }
+
+
+def flags_of(row: dict, seq: int) -> str:
+    """train.py / accelerate flags for a row (`seq`: the sequence length planned for)."""
+    parts = [f"--parallel_mode {row['mode']}"]
+    mode = get_mode(row["mode"])
+    if mode.sequence_parallel and row["dp_size"] > 1:
+        parts.append(f"--sp-size {row['sp_size']}")
+    if mode.takes_ring_degree:
+        parts.append(f"--ring_degree {row['ring_degree']}")
+    if row["activation_checkpointing"]:
+        parts.append("--activation-checkpointing")
+    if row["offload_checkpoints"]:
+        parts.append("--offload-checkpoints")
+    if row["tiled_mlp"]:
+        parts.append(f"--tiled-mlp {row['tiled_mlp']}")
+    # no chunking: one chunk as long as the rank's shard of the sequence
+    parts.append(f"--seq-length {seq} --loss-chunk-size {row['loss_chunk_size'] or seq // row['sp_size']}")
+    config = {"none": "no DeepSpeed (DDP)",
+              "zero3": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_optimizer and offload_param",
+              "zero3-opt-offload": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_param",
+              "zero3-offload": "ZeRO-3: accelerate_configs/single_node.yaml (zero3_offload.json as shipped)",
+              "noopt": "no optimizer"}[row["zero"]]
+    return " ".join(parts) + f"   [{config}]"
+
+
+def complexity(row: dict) -> int:
+    """How many memory options a row turns on (ZeRO levels count one each)."""
+    zero = ZERO_CHOICES.index(row["zero"]) if row["zero"] in ZERO_CHOICES else 0
+    return (row["activation_checkpointing"] + row["offload_checkpoints"] + bool(row["tiled_mlp"])
+            + bool(row["loss_chunk_size"]) + zero)
+
+
+def plan(model: ModelShape, seq: int, gpus: int, device: Device, dtype: Optional[str] = None, margin: float = 0.10,
+         sp_sizes=None, modes=None, zero_choices=None, tile: Optional[int] = None, chunk: Optional[int] = None) -> dict:
+    if seq < 1:
+        raise PlanError(f"--seq-length must be positive, got {seq}")
+    if gpus < 1:
+        raise PlanError(f"--gpus must be positive, got {gpus}")
+    if not 0 <= margin < 1:
+        raise PlanError(f"--margin must be in [0, 1), got {margin}")
+    dtype = dtype or ("fp32" if device.name == "cpu" else "bf16")
+    zero_choices = tuple(zero_choices or ZERO_CHOICES)
+    tile = tile or default_tile(model)
+    chunk = chunk or default_chunk(model)
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    wrong = [sp for sp in (sp_sizes or ()) if sp not in divisors]
+    if wrong:
+        raise PlanError(f"--sp-size {wrong[0]} does not divide --gpus {gpus}; choose from {divisors}")
+    ok, refused = layouts(model, seq, gpus, sp_sizes, modes)
+    if not ok:
+        multiples = sorted({layout_multiple(m, s, r) for m, s, r, _ in refused})
+        reasons = "; ".join(sorted({f"{m} sp={s}" + (f" ring={r}" if get_mode(m).takes_ring_degree else "") + f": {why}"
+                                    for m, s, r, why in refused}))
+        hint = f" Sequence lengths must divide by one of {multiples}." if multiples else ""
+        raise PlanError(f"no mode runs {seq} tokens on {gpus} GPUs with these settings ({reasons}).{hint}")
+    rows = [row_of(model, seq, gpus, o, device, dtype, margin)
+            for layout in ok for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)]
+    rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"] if r["fits"] else r["peak_gib"], complexity(r), r["peak_gib"]))
+    best = None
+    if rows[0]["fits"]:  # the fastest that fits; within 1% of it, the fewest options, then the least memory
+        near = [r for r in rows if r["fits"] and r["tokens_per_s"] >= 0.99 * rows[0]["tokens_per_s"]]
+        best = min(near, key=lambda r: (complexity(r), r["peak_gib"]))
+        rows.remove(best)
+        rows.insert(0, best)
+    result = {"model": asdict(model), "params": model.params, "seq_length": seq, "gpus": gpus, "device": asdict(device),
+              "dtype": dtype, "margin": margin, "tile": tile, "chunk": chunk, "recommendation": best, "rows": rows,
+              "refused": [{"mode": m, "sp_size": s, "ring_degree": r, "why": w} for m, s, r, w in refused]}
+    if best is None:
+        result["smallest"] = smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk)
+    return result
+
+
+def smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk) -> dict:
+    """The least memory per GPU that would fit at this GPU count, and the fewest GPUs (doubling
+    --gpus, sequence parallelism over all of them) that fit at this memory."""
+    need_gib = min(r["peak_gib"] for r in rows) / (1 - margin)
+    more = None
+    g = gpus
+    while g < 1 << 16:
+        g = g * 2
+        ok, _ = layouts(model, seq, g, None, modes)
+        fits = [row_of(model, seq, g, o, device, dtype, margin) for layout in ok if layout[1] == g
+                for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)]
+        if any(r["fits"] for r in fits):
+            more = g
+            break
+    return {"memory_gib": round(need_gib, 1), "gpus": more}
