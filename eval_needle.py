@@ -33,9 +33,9 @@ import torch
 import easy_context as ec
 from easy_context.programs.data import embedded_prose
 from easy_context.programs.evaluation import load_scorer, resolve_model
-from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from easy_context.programs.launch import Stage, add_dist_timeout_flag, add_parallel_mode_flags, ring_degree_error, run_job, run_main
 from easy_context.programs.launch import fail as launch_fail
-from easy_context.modes import get_mode, modes_with
+from easy_context.modes import get_mode
 from easy_context.programs.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
 from easy_context.programs.plots import needle_heatmap
 
@@ -62,8 +62,7 @@ def parse_args(argv=None):
     flag("num_distractor", type=int, default=0, help="other cities' magic numbers hidden in the haystack (needle task)")
     flag("haystack_dir", default=None, help="folder of .txt files (default: the Python reference docs every Python has)")
     flag("rope_theta", type=float, default=None, help="override the model's RoPE base")
-    flag("parallel_mode", default="zigzag_ring_attn", choices=ec.MODE_NAMES)
-    flag("ring_degree", type=int, default=None, help="usp_attn: ring part of the SP group")
+    add_parallel_mode_flags(p)
     flag("sp_size", type=int, default=None, help="ranks sharing one prompt (default: all); other groups take other prompts")
     flag("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
     flag("generate", action="store_true", help="also answer in free form (greedy) and score the digits by exact match")
@@ -91,8 +90,8 @@ def parse_args(argv=None):
         errors.append(f"--haystack_dir {args.haystack_dir}: no .txt files there")
     if args.max_new_tokens is not None and (not args.generate or args.max_new_tokens < 1):
         errors.append(f"--max_new_tokens needs --generate and a value >= 1, got {args.max_new_tokens}")
-    if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
-        errors.append(f"--ring_degree applies to {' / '.join(modes_with('takes_ring_degree'))} only (got --parallel_mode {args.parallel_mode})")
+    if ring_error := ring_degree_error(args):
+        errors.append(ring_error)
     if errors:
         p.error("; ".join(errors))
     return args

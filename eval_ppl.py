@@ -35,9 +35,9 @@ import torch
 import easy_context as ec
 from easy_context.programs.data import load_any_dataset, stdlib_heldout_documents
 from easy_context.programs.evaluation import load_scorer, resolve_model
-from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from easy_context.programs.launch import Stage, add_dist_timeout_flag, add_parallel_mode_flags, ring_degree_error, run_job, run_main
 from easy_context.programs.launch import fail as launch_fail
-from easy_context.modes import get_mode, modes_with
+from easy_context.modes import get_mode
 from easy_context.programs.plots import perplexity_curves
 
 
@@ -65,8 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--output-file", default="outputs/eval/ppl.csv")
     p.add_argument("--aggressive-memory", action="store_true", help="smaller output-layer chunks; free cached GPU memory after each window")
     p.add_argument("--hide-progress", action="store_true")
-    p.add_argument("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=ec.MODE_NAMES)
-    p.add_argument("--ring_degree", "--ring-degree", dest="ring_degree", type=int, default=None, help="usp_attn: ring part of the SP group")
+    add_parallel_mode_flags(p)
     p.add_argument("--sp-size", type=int, default=None, help="ranks sharing one window (default: all); other groups take other windows")
     p.add_argument("--rope-theta", "--rope_theta", dest="rope_theta", type=float, default=None, help="override the models' RoPE base")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
@@ -85,8 +84,8 @@ def parse_args(argv=None):
         errors.append(f"--samples must be >= 0, got {args.samples}")
     if args.dataset and args.tokenized:
         errors.append("give --dataset (raw text) or --tokenized (input_ids), not both")
-    if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
-        errors.append(f"--ring_degree applies to {' / '.join(modes_with('takes_ring_degree'))} only (got --parallel_mode {args.parallel_mode})")
+    if ring_error := ring_degree_error(args):
+        errors.append(ring_error)
     if errors:
         p.error("; ".join(errors))
     if args.dataset_min_tokens is None:

@@ -4,6 +4,7 @@
     data/          datasets to packed rows; the embedded default corpus
     models.py      load or build a model for a supported type
     loss.py        exact next-token loss over an SP group
+    checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resume checks
     tiled_mlp.py   MLPs run in sequence tiles (activation memory)
     needle.py      needle / passkey prompts for any tokenizer
     evaluation.py  score whole sequences over an SP group (no grad, per-token results)

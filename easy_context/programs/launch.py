@@ -1,5 +1,6 @@
 """How the scripts start, fail and stop, the same way everywhere.
 
+- add_dist_timeout_flag, add_parallel_mode_flags: the flags every script shares.
 - make_accelerator: NCCL on GPUs, DDP over gloo on CPU, DeepSpeed kept, a bounded timeout.
 - fail / exit codes: a one-line message, and every rank leaves (no peer left waiting).
 - script_failures: a stuck or dead peer, or a refusal raised mid-run, becomes one line naming
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["make_accelerator", "add_dist_timeout_flag", "fail", "script_failures", "Stage", "run_job", "run_main", "shutdown", "exit_process",
+__all__ = ["make_accelerator", "add_dist_timeout_flag", "add_parallel_mode_flags", "ring_degree_error", "fail", "script_failures", "Stage", "run_job", "run_main", "shutdown", "exit_process",
            "injected_fault", "EXIT_BAD_INPUT", "EXIT_NONFINITE_LOSS", "EXIT_DIST_FAILURE", "DEFAULT_DIST_TIMEOUT"]
 
 EXIT_BAD_INPUT = 2       # argparse's convention: nothing ran, fix the command
@@ -55,6 +56,24 @@ def add_dist_timeout_flag(parser) -> None:
     parser.add_argument("--dist-timeout", type=_dist_timeout, default=DEFAULT_DIST_TIMEOUT, metavar="SECONDS",
                         help="longest wait for a peer in any collective before every rank stops with a message "
                              f"(default {DEFAULT_DIST_TIMEOUT:g} s)")
+
+
+def add_parallel_mode_flags(parser) -> None:
+    """--parallel_mode and --ring_degree, in EasyContext's underscore spelling and the dashed one."""
+    from easy_context.modes import MODE_NAMES
+
+    parser.add_argument("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=MODE_NAMES)
+    parser.add_argument("--ring_degree", "--ring-degree", dest="ring_degree", type=int, default=None,
+                        help="usp_attn: ring part of the SP group")
+
+
+def ring_degree_error(args) -> str | None:
+    """The refusal of --ring_degree with a mode that has no ring part to size, or None."""
+    from easy_context.modes import get_mode, modes_with
+
+    if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
+        return f"--ring_degree applies to {' / '.join(modes_with('takes_ring_degree'))} only (got --parallel_mode {args.parallel_mode})"
+    return None
 
 
 def make_accelerator(dist_timeout: float | None = None, **kwargs):

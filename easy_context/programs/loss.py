@@ -12,7 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_cross_entropy_sum", "global_token_mean"]
+from easy_context.hf.architectures import logits_head
+
+__all__ = ["CausalLMLoss", "chunked_cross_entropy_sum", "global_token_mean"]
 
 
 def _chunk_loss(output_layer, hidden, targets, ignore_index):
@@ -51,3 +53,21 @@ def global_token_mean(loss_sum: torch.Tensor, targets: torch.Tensor, ignore_inde
         ranks = dist.get_world_size(group)
     count = stats[1].clamp(min=1)
     return loss_sum * ranks / count, stats[0] / count
+
+
+class CausalLMLoss(torch.nn.Module):
+    """A causal LM plus its loss: returns this rank's loss sum, computed in chunks so the
+    full-vocabulary logits of the local sequence never exist at once."""
+
+    def __init__(self, model, loss_chunk_size: int):
+        super().__init__()
+        self.model, self.loss_chunk_size = model, loss_chunk_size
+
+    @property
+    def config(self):  # accelerate reads hidden_size from here to size DeepSpeed's buckets
+        return self.model.config
+
+    def forward(self, input_ids, position_ids, target_ids, **attention_kwargs):
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                          **attention_kwargs).last_hidden_state
+        return chunked_cross_entropy_sum(hidden, logits_head(self.model), target_ids, self.loss_chunk_size)

@@ -1,0 +1,156 @@
+"""train.py's resumable checkpoints: saved atomically, pruned to --save-total-limit, and
+resumed only by a run with the same flags, so that it continues exactly.
+
+A checkpoint is accelerate's save_state folder plus trainer_state.json: the step, the steps
+skipped so far, and the flags in RESUME_KEYS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from easy_context.programs.launch import injected_fault
+
+__all__ = ["CHECKPOINT_NAME", "RESUME_KEYS", "CheckpointError", "Checkpoints", "checkpoint_dirs", "checkpoints_to_prune",
+           "legacy_resume_values", "read_trainer_state", "resolve_resume", "save_checkpoint"]
+
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+
+# These shape the data order, the schedule or the model: a resumed run must use the same
+# values (and the same number of processes) to continue exactly.
+RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree",
+               "seed", "dataset", "text_column", "streaming", "retrieval_fraction", "model", "max_rows", "max_train_steps",
+               "learning_rate", "warmup_steps", "weight_decay", "rope_theta", "world_size", "document_masking",
+               "balance_documents")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed: the message names it and what is wrong."""
+
+
+def checkpoint_dirs(output_dir: str) -> list[Path]:
+    """Complete checkpoints, oldest first. A save in progress (or killed) lives in a
+    `checkpoint-N.partial` folder, which never matches."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*")
+             if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer_state.json").exists()]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
+
+
+def resolve_resume(resume_from: str | None, output_dir: str) -> Path | None:
+    """The folder --resume-from-checkpoint names: a checkpoint folder, 'latest' in output_dir, or None."""
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        found = checkpoint_dirs(output_dir)
+        if not found:
+            raise CheckpointError(f"--resume-from-checkpoint latest: no checkpoint in {output_dir}")
+        return found[-1]
+    path = Path(resume_from)
+    if not (path / "trainer_state.json").exists():
+        raise CheckpointError(f"--resume-from-checkpoint {path}: not a checkpoint folder (no trainer_state.json)")
+    return path
+
+
+def read_trainer_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except ValueError as error:
+        raise CheckpointError(f"--resume-from-checkpoint {path}: trainer_state.json is not valid JSON ({error})") from error
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("args"), dict)):
+        raise CheckpointError(f"--resume-from-checkpoint {path}: not a train.py checkpoint (its trainer_state.json has no "
+                              "'step' and 'args'; an HF Trainer checkpoint cannot be resumed here)")
+    return state
+
+
+def legacy_resume_values(saved: dict) -> dict:
+    """What checkpoints written before a flag existed were trained with."""
+    return {"text_column": "text", "streaming": False, "retrieval_fraction": 0.0 if saved.get("dataset") is None else None}
+
+
+def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
+    """Atomic: every rank writes into checkpoint-N.partial; when all are done, rank 0 adds
+    trainer_state.json and renames the folder to checkpoint-N (a rename within a folder is
+    atomic on POSIX). A kill at any moment leaves `latest` on a complete checkpoint: the
+    previous one, or this one. Folders to delete are renamed aside first (`.stale`, never
+    matched) and deleted in the background, so the other ranks do not wait on rank 0's rmtree."""
+    final = Path(args.output_dir) / f"checkpoint-{step}"
+    partial = final.with_name(final.name + ".partial")
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)  # left by a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    if injected_fault("die_in_save", step, accelerator.process_index) is not None:
+        os._exit(1)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        args.world_size = accelerator.num_processes
+        state = {"step": step, "skipped_steps": skipped, "args": {k: getattr(args, k) for k in RESUME_KEYS}}
+        (partial / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        doomed = []
+        if final.exists():  # the same step saved by an earlier run of this output dir
+            doomed.append(set_aside(final))
+        os.replace(partial, final)
+        doomed += [set_aside(old) for old in checkpoints_to_prune(args.output_dir, args.save_total_limit, step)]
+        # left by killed saves, or by deletions a finished process did not complete
+        doomed += [*Path(args.output_dir).glob("checkpoint-*.partial"), *Path(args.output_dir).glob("checkpoint-*.stale-*")]
+        threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True).start()
+    accelerator.wait_for_everyone()
+    return final
+
+
+def set_aside(path: Path) -> Path:
+    aside = path.with_name(f"{path.name}.stale-{time.time_ns()}")
+    os.replace(path, aside)
+    return aside
+
+
+def checkpoints_to_prune(output_dir: str, save_total_limit: int | None, step: int) -> list[Path]:
+    """With --save-total-limit N: all but checkpoint-`step` and the N - 1 newest before it.
+    Checkpoints after `step` (left by a run this one resumed before) are not ours to judge."""
+    if save_total_limit is None:
+        return []
+    older = [p for p in checkpoint_dirs(output_dir) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) < step]
+    return older[:max(0, len(older) - (save_total_limit - 1))]
+
+
+class Checkpoints:
+    """The checkpoints of one run in args.output_dir, and the newest one it saved or resumed
+    from: a run that stops on a non-finite loss keeps its last good step without saving twice."""
+
+    def __init__(self, accelerator, args):
+        self.accelerator, self.args = accelerator, args
+        self.newest: tuple[int, Path] | None = None  # (step, folder)
+
+    def resume(self, path: Path) -> tuple[int, int]:
+        """Load `path` into the prepared model, optimizer and schedule; (step, skipped steps).
+        Refused before anything is loaded when a flag in RESUME_KEYS differs."""
+        state = read_trainer_state(path)
+        self.args.world_size = self.accelerator.num_processes
+        saved = {**legacy_resume_values(state["args"]), **state["args"]}
+        changed = {k: (saved.get(k), getattr(self.args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(self.args, k)}
+        if changed:
+            raise CheckpointError(f"cannot resume {path}: these flags differ from the checkpoint (checkpoint, now): {changed}")
+        try:
+            self.accelerator.load_state(str(path))
+        except (OSError, RuntimeError, ValueError) as error:  # a folder with missing or truncated files
+            raise CheckpointError(f"--resume-from-checkpoint {path}: cannot load it "
+                                  f"({' '.join(str(error).split())[:300]})") from error
+        self.newest = (state["step"], path)
+        return state["step"], state.get("skipped_steps", 0)
+
+    def save(self, step: int, skipped: int) -> Path:
+        self.newest = (step, save_checkpoint(self.accelerator, self.args, step, skipped))
+        return self.newest[1]
+
+    def keep_last_good_step(self, step: int, skipped: int) -> Path | None:
+        """The checkpoint of the weights after `step` good steps, saved now unless it exists
+        already; None when nothing was trained yet."""
+        if self.newest is not None and self.newest[0] == step:
+            return self.newest[1]
+        return self.save(step, skipped) if step > 0 else None
