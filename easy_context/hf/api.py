@@ -176,16 +176,11 @@ def _check_split(mode: str) -> None:
 def _split_index(mode, topology, position_ids, attention_mask, sp_rank) -> torch.Tensor:
     """document_split: this SP rank's rows, (B, S_local) global positions: per row, its ring
     rank's share of every document (balance.split_documents), cut into Ulysses pieces."""
-    from easy_context.core.balance import split_documents
-    from easy_context.core.masking import SequenceMask
+    from easy_context.core.layout import RowLayout
 
-    valid = None if attention_mask is None else attention_mask.cpu().bool()
-    mask = SequenceMask.from_positions(position_ids, valid)
-    valid = torch.ones_like(mask.first_key, dtype=torch.bool) if valid is None else valid
-    ring_rank, ulysses_rank = divmod(sp_rank, topology.ulysses_degree)
     zigzag = topology.ring_degree > 1 and mode.zigzag
-    shares = [split_documents(mask.first_key[b], valid[b], topology.ring_degree, zigzag)[ring_rank] for b in range(len(valid))]
-    return torch.stack([share.chunk(topology.ulysses_degree)[ulysses_rank] for share in shares]).to(position_ids.device)
+    layout = RowLayout.of_documents(position_ids, attention_mask, topology.ring_degree, topology.ulysses_degree, zigzag)
+    return layout.local_indices(sp_rank).to(position_ids.device)
 
 
 class DataParallelShard:

@@ -12,8 +12,7 @@ from easy_context import (
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from easy_context.modes.dist_flash_attn import REMAT_CACHE, dist_flash_attention
-from easy_context.modes.dist_flash_schedule import balanced_schedule, products_per_rank
+from easy_context.modes.dist_flash_attn import REMAT_CACHE, balanced_schedule, dist_flash_attention, products_per_rank
 from easy_context.hf import active_patch
 from easy_context.core.kernels import FORWARD_CALLS
 from easy_context.versions import enable_activation_checkpointing
