@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from easy_context.core.blocks import (
-    Kernels, backward_blocks, empty_state, finish_forward, fold_sinks, forward_blocks, merge_block, safe_lse, sinks_grad,
+    Kernels, backward_blocks, empty_state, finish_forward, forward_blocks, merge_block, safe_lse, sinks_grad,
 )
 from easy_context.core.kernels import accumulation_dtype
 from easy_context.core.masking import Block
