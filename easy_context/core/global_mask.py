@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from easy_context.core.groups import SeqParallelGroups
-from easy_context.core.layout import Layout
+from easy_context.core.layout import Layout, RowLayout
 from easy_context.core.masking import SequenceMask
 
 __all__ = ["gather_sequence_mask", "check_padding"]
@@ -39,28 +39,14 @@ def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layou
     if token_index is None:
         whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
         _check_positions(pieces, size, rank, layout)
-        ring_index = None
-    else:
-        whole, ring_index = _unshard_by_index([piece.cpu() for piece in pieces], layout)
+        row_layout = None
+    else:  # document_split: each rank's rows sit at the global positions its third row names
+        pieces = [piece.cpu() for piece in pieces]
+        row_layout = RowLayout.from_local_indices([piece[2] for piece in pieces], layout.ring_degree, layout.ulysses_degree)
+        whole = row_layout.unshard([piece[:2] for piece in pieces])
     positions, valid = whole[0], whole[1]
     check_padding(valid)
-    return SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool(), ring_index)
-
-
-def _unshard_by_index(pieces, layout: Layout):
-    """document_split: each rank's rows sit at the global positions its third row names.
-    Returns the whole (positions, padding) and, per ring rank, the positions of its rows
-    (the Ulysses pieces of a ring share, concatenated in order, as the all-to-all does)."""
-    index = torch.cat([piece[2] for piece in pieces], dim=1)
-    batch, seq = index.shape
-    if not bool((torch.sort(index, dim=1).values == torch.arange(seq)).all()):
-        raise ValueError("seq_parallel_index of the sequence-parallel group is not a permutation of the row's positions: "
-                         "pass local_token_index from prepare_seq_parallel_inputs (same batch, same options)")
-    whole = torch.empty(2, batch, seq, dtype=torch.long)
-    whole.scatter_(2, index.expand(2, -1, -1), torch.cat([piece[:2] for piece in pieces], dim=2))
-    u = layout.ulysses_degree
-    ring_index = [torch.cat([pieces[r * u + i][2] for i in range(u)], dim=1) for r in range(layout.ring_degree)]
-    return whole, ring_index
+    return SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool(), row_layout)
 
 
 def _check_positions(pieces, size: int, rank: int, layout: Layout) -> None:

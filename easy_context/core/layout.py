@@ -9,16 +9,24 @@ SP rank = ring_rank * ulysses_degree + ulysses_rank (Ulysses over neighbouring r
 
 A layout is pure indexing, never communication: `local_indices` is the single source of
 truth and shard, unshard and the position check all derive from it.
+
+`RowLayout` (document_split) is a layout of its own per batch row: every document is cut over
+the ring the way the static layout cuts one causal row (balance.py), so each rank gets its
+share of every document's work. The ring's plans read either kind through `ring_positions`.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-__all__ = ["Layout", "WHOLE_SEQUENCE"]
+from easy_context.core.balance import split_documents
+from easy_context.core.masking import SequenceMask
+
+__all__ = ["Layout", "RowLayout", "WHOLE_SEQUENCE", "ring_layout"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,8 @@ class Layout:
     zigzag: bool
     ring_degree: int = 1
     ulysses_degree: int = 1
+
+    per_row = False  # one layout for every batch row (RowLayout: one per row)
 
     @property
     def size(self) -> int:
@@ -56,6 +66,10 @@ class Layout:
         self.check_length(seq_len)
         return _local_indices(self, seq_len, sp_rank)
 
+    def ring_positions(self, seq_len: int, ring_rank: int) -> torch.Tensor:
+        """(n,) global positions of ring rank `ring_rank`'s share (its Ulysses pieces together)."""
+        return Layout(self.zigzag, self.ring_degree).local_indices(seq_len, ring_rank)
+
     def shard(self, x: torch.Tensor, sp_rank: int, dim: int = 1) -> torch.Tensor:
         return x.index_select(dim, self.local_indices(x.shape[dim], sp_rank).to(x.device))
 
@@ -77,6 +91,66 @@ def _local_indices(layout: Layout, seq_len: int, sp_rank: int) -> torch.Tensor:
     else:
         share = positions.chunk(layout.ring_degree)[ring_rank]
     return share.chunk(layout.ulysses_degree)[ulysses_rank]
+
+
+class RowLayout:
+    """document_split: each batch row split over the ranks its own way. shares[r] (B, S / R):
+    the global positions of ring rank r's rows, increasing per batch row; a share is cut into
+    ulysses_degree contiguous pieces, one per Ulysses rank, as `Layout` cuts a ring share."""
+
+    per_row = True
+
+    def __init__(self, shares: list, ulysses_degree: int = 1):
+        self.shares, self.ulysses_degree = shares, ulysses_degree
+
+    @property
+    def ring_degree(self) -> int:
+        return len(self.shares)
+
+    @classmethod
+    def of_documents(cls, position_ids, attention_mask, ring_degree: int, ulysses_degree: int, zigzag: bool) -> "RowLayout":
+        """The split of a batch (position_ids (B, S): documents restart their positions; attention_mask
+        (B, S) 0/1 or None): every document cut over the ring in order (balance.split_documents),
+        zigzag or contiguous as the mode cuts one causal row."""
+        valid = None if attention_mask is None else attention_mask.cpu().bool()
+        first_key = SequenceMask.from_positions(position_ids, valid).first_key
+        valid = torch.ones_like(first_key, dtype=torch.bool) if valid is None else valid
+        per_row = [split_documents(first_key[b], valid[b], ring_degree, zigzag) for b in range(len(valid))]
+        return cls([torch.stack([shares[r] for shares in per_row]) for r in range(ring_degree)], ulysses_degree)
+
+    @classmethod
+    def from_local_indices(cls, indices: list, ring_degree: int, ulysses_degree: int) -> "RowLayout":
+        """The layout whose SP rank i holds the rows at indices[i] (B, S_local) (the local_token_index
+        of every rank of the SP group); refused unless they cover each row exactly once."""
+        index = torch.cat(indices, dim=1)
+        if not bool((torch.sort(index, dim=1).values == torch.arange(index.shape[1])).all()):
+            raise ValueError("seq_parallel_index of the sequence-parallel group is not a permutation of the row's positions: "
+                             "pass local_token_index from prepare_seq_parallel_inputs (same batch, same options)")
+        u = ulysses_degree
+        return cls([torch.cat(indices[r * u:(r + 1) * u], dim=1) for r in range(ring_degree)], ulysses_degree)
+
+    def ring_positions(self, seq_len: int, ring_rank: int) -> torch.Tensor:
+        """(B, n) global positions of ring rank `ring_rank`'s rows (seq_len: as Layout's; implied here)."""
+        return self.shares[ring_rank]
+
+    def local_indices(self, sp_rank: int) -> torch.Tensor:
+        """(B, S_local) global positions of SP rank `sp_rank`'s rows, in local order."""
+        ring_rank, ulysses_rank = divmod(sp_rank, self.ulysses_degree)
+        return self.shares[ring_rank].chunk(self.ulysses_degree, dim=1)[ulysses_rank]
+
+    def unshard(self, pieces: list) -> torch.Tensor:
+        """pieces[i] (..., B, S_local): SP rank i's rows in local order -> (..., B, S) in row order."""
+        stacked = torch.cat(pieces, dim=-1)
+        index = torch.cat([self.local_indices(i) for i in range(len(pieces))], dim=1).to(stacked.device)
+        return torch.empty_like(stacked).scatter_(-1, index.expand_as(stacked), stacked)
+
+
+def ring_layout(mask: Optional[SequenceMask], zigzag: bool, ring_degree: int):
+    """How a ring of `ring_degree` ranks holds the rows `mask` describes: the mask's per-row layout
+    (document_split), else the static zigzag or contiguous one."""
+    if mask is not None and mask.row_layout is not None:
+        return mask.row_layout
+    return Layout(zigzag, ring_degree)
 
 
 # One rank holds the whole sequence (data_parallel, or an SP group of one).

@@ -49,13 +49,13 @@ class SequenceMask:
 
     first_key: torch.Tensor
     window: Optional[int] = None
-    # With document_split (a data-dependent layout): per ring rank, the global positions of its
-    # rows, (B, S / ring_degree), increasing per batch row. None: the mode's static layout.
-    ring_index: Optional[list] = None
+    # document_split: the layout.RowLayout the ranks hold this forward's rows in (the plans are
+    # built on it). None: the mode's static layout.
+    row_layout: Optional[object] = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_positions(cls, position_ids: torch.Tensor, valid: Optional[torch.Tensor] = None, ring_index=None) -> "SequenceMask":
+    def from_positions(cls, position_ids: torch.Tensor, valid: Optional[torch.Tensor] = None, row_layout=None) -> "SequenceMask":
         """HF's packing convention: a document starts where position_ids[i] != position_ids[i-1] + 1.
         `valid` (B, S) bool marks non-padding tokens (None: all valid)."""
         position_ids = position_ids.cpu().long()
@@ -69,33 +69,33 @@ class SequenceMask:
         first_key = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
         if valid is not None:
             first_key = torch.where(valid, first_key, index + 1)
-        return cls(first_key.contiguous(), ring_index=ring_index)
+        return cls(first_key.contiguous(), row_layout=row_layout)
 
     def with_window(self, window: Optional[int]) -> "SequenceMask":
         if window is None or window >= self.first_key.shape[1]:
             return self
         if window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {window}")
-        key = ("window", window)
-        if key not in self._plans:  # shares nothing but the description: plans differ
-            self._plans[key] = SequenceMask(self.first_key, window, self.ring_index)
-        return self._plans[key]
+        # shares nothing but the description: plans differ
+        return self.memo(("window", window), lambda: SequenceMask(self.first_key, window, self.row_layout))
 
     @property
     def is_causal(self) -> bool:
         """True when the rule is plain causal attention over the whole row (no work to skip)."""
-        if "causal" not in self._plans:
-            self._plans["causal"] = self.window is None and self.ring_index is None and not bool(self.first_key.any())
-        return self._plans["causal"]
+        return self.memo("causal", lambda: self.window is None and self.row_layout is None and not bool(self.first_key.any()))
+
+    def memo(self, key, build):
+        """The value cached under `key` (hashable) for this mask, built by build() at the first
+        call: plans depend on the mask only, so every layer of a forward and its backward reuse them."""
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
 
     def blocks(self, key, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:
         """Kernel calls for local queries at global positions q_index x keys at k_index (both
         increasing). `key` (hashable) names the pair for the caller: every layer of a forward
         and its backward reuse the plan."""
-        key = (key, str(device))
-        if key not in self._plans:
-            self._plans[key] = plan_blocks(self, q_index, k_index, device)
-        return self._plans[key]
+        return self.memo((key, str(device)), lambda: plan_blocks(self, q_index, k_index, device))
 
     def pairs_per_query(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """(n,) allowed keys of each local query row, summed over the batch rows. Indices: (n,)
@@ -112,10 +112,7 @@ class SequenceMask:
 
     def has_pairs(self, key, q_index: torch.Tensor, k_index: torch.Tensor) -> bool:
         """Whether any pair is allowed; cached under `key` like `blocks`."""
-        key = ("has pairs", key)
-        if key not in self._plans:
-            self._plans[key] = self.allowed_pairs(q_index, k_index) > 0
-        return self._plans[key]
+        return self.memo(("has pairs", key), lambda: self.allowed_pairs(q_index, k_index) > 0)
 
 
 def _key_ranges(first_key_q, q_index, k_index, window):

@@ -20,10 +20,9 @@ from typing import Optional
 import torch
 
 from easy_context.core import collectives
-from easy_context.core.balance import split_documents
 from easy_context.core.global_mask import check_padding
 from easy_context.core.groups import SeqParallelGroups, Topology, get_groups
-from easy_context.core.masking import SequenceMask
+from easy_context.core.layout import RowLayout
 from easy_context.hf import architectures, patch
 from easy_context.modes import SeqParallelMode, get_mode, modes_with
 
@@ -202,14 +201,10 @@ def _as_batch(name: str, x: Optional[torch.Tensor], batch: int, seq_len: int) ->
 
 def _split_index(mode, topology, position_ids, attention_mask, sp_rank) -> torch.Tensor:
     """document_split: this SP rank's rows, (B, S_local) global positions: per row, its ring
-    rank's share of every document (balance.split_documents), cut into Ulysses pieces."""
-    valid = None if attention_mask is None else attention_mask.cpu().bool()
-    mask = SequenceMask.from_positions(position_ids, valid)
-    valid = torch.ones_like(mask.first_key, dtype=torch.bool) if valid is None else valid
-    ring_rank, ulysses_rank = divmod(sp_rank, topology.ulysses_degree)
+    rank's share of every document, cut into Ulysses pieces (core.layout.RowLayout)."""
     zigzag = topology.ring_degree > 1 and mode.zigzag
-    shares = [split_documents(mask.first_key[b], valid[b], topology.ring_degree, zigzag)[ring_rank] for b in range(len(valid))]
-    return torch.stack([share.chunk(topology.ulysses_degree)[ulysses_rank] for share in shares]).to(position_ids.device)
+    layout = RowLayout.of_documents(position_ids, attention_mask, topology.ring_degree, topology.ulysses_degree, zigzag)
+    return layout.local_indices(sp_rank).to(position_ids.device)
 
 
 class DataParallelShard:

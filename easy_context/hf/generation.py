@@ -36,7 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
 from easy_context.core.kernels import accumulation_dtype, attention_forward
-from easy_context.core.ring import fold_sinks, merge_block
+from easy_context.core.blocks import fold_sinks, merge_block
 from easy_context.hf.architectures import model_types_of
 from easy_context.hf.context import OPTIONS, active, context_for, setup
 from easy_context.versions import cache_keyword

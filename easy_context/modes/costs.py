@@ -134,7 +134,7 @@ def all_to_all_buffers(shape: AttentionShape) -> int:
 
 
 def balanced_schedule_traffic(shape: AttentionShape) -> Traffic:
-    """dist_flash_attn's balanced schedule (modes/dist_flash_schedule.py) over sp_size = P ranks,
+    """dist_flash_attn's balanced schedule (modes/dist_flash_attn.py) over sp_size = P ranks,
     for the busiest rank. Each round t < P/2, rank r either computes its own queries against
     the K/V of rank r - t (r >= t) or helps rank r + P - t with its own K/V (r < t), and either
     lends its K/V to rank r + t (r < P - t) or has its queries computed by rank r - P + t. A

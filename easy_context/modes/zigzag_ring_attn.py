@@ -3,18 +3,18 @@
 The sequence is cut into 2P chunks and rank r keeps chunks r and 2P-1-r. With causal
 attention every ring step then costs each rank the same: half of a full local block.
 Under a mask (packed documents, padding, windows) the blocks come from the mask's plan on
-the same layout, and ring steps nobody needs are skipped.
+the same layout (or the row's own layout under document_split), and ring steps nobody
+needs are skipped. Given the HF layer, gradient checkpointing does not recompute it.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from easy_context.core.layout import Layout
 from easy_context.core.masking import Block
 from easy_context.modes import SeqParallelMode, fixed_ring_degree
 from easy_context.modes.costs import Activations, ring_buffers, ring_traffic
-from easy_context.core.ring import MaskedRingPlan, ring_attention
+from easy_context.core.ring import masked_ring_plan, ring_attention
 
 _ALL = slice(None)
 
@@ -46,17 +46,14 @@ def ring_plan(mask, group, local_len: int, device):
     if mask is None or mask.is_causal:
         return PLAN
     size = dist.get_world_size(group) if group is not None else 1
-    if mask.ring_index is not None:  # document_split: a layout of its own per row
-        return MaskedRingPlan(mask, mask.ring_index.__getitem__, "document_split", device)
-    layout, seq_len = Layout(zigzag=True, ring_degree=size), local_len * size
-    return MaskedRingPlan(mask, lambda r: layout.local_indices(seq_len, r), (layout, seq_len), device)
+    return masked_ring_plan(mask, True, size, local_len, device)
 
 
-def zigzag_ring_attention(q, k, v, scale, group=None, mask=None, softcap=None, sinks=None):
+def zigzag_ring_attention(q, k, v, scale, group=None, mask=None, softcap=None, sinks=None, layer=None):
     """Causal attention of zigzag-sharded q/k/v over the ranks of `group`; `mask` (a
-    SequenceMask over the group's whole sequence) restricts it further; softcap and sinks as
-    in ring.ring_attention."""
-    return ring_attention(q, k, v, scale, ring_plan(mask, group, q.shape[2], q.device), group, softcap, sinks)
+    SequenceMask over the group's whole sequence) restricts it further; softcap, sinks and
+    layer (recompute-free checkpointing) as in ring.ring_attention."""
+    return ring_attention(q, k, v, scale, ring_plan(mask, group, q.shape[2], q.device), group, softcap, sinks, layer)
 
 
 MODE = SeqParallelMode(

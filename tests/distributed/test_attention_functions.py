@@ -103,7 +103,7 @@ def ulysses_worker(rank, world_size, mode_name, ring_degree):
     HF hands them, (B, H, S, D) views of (B, S, H, D) memory ("bshd"). Records whether every
     dout the kernels' backward got was a view of (B, S, H, D)-dense memory (cpu_flash copies
     any other layout: one more tensor alive at the peak of the backward, issue 16)."""
-    import easy_context.core.ring as ring
+    import easy_context.core.blocks as ring
     from easy_context.modes import get_mode
     from easy_context.core.groups import get_groups
 

@@ -12,8 +12,7 @@ from easy_context import (
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from easy_context.modes.dist_flash_attn import REMAT_CACHE, dist_flash_attention
-from easy_context.modes.dist_flash_schedule import balanced_schedule, products_per_rank
+from easy_context.modes.dist_flash_attn import REMAT_CACHE, balanced_schedule, dist_flash_attention, products_per_rank
 from easy_context.hf import active_patch
 from easy_context.core.kernels import FORWARD_CALLS
 from easy_context.versions import enable_activation_checkpointing
@@ -51,33 +50,35 @@ def test_measured_work_is_balanced_at_four_ranks():
     assert sum(products) == sum(plain_ring)  # same total work, just spread evenly
 
 
+def _checkpointed_run(rank, world_size, mode, use_reentrant):
+    """Forward-attention kernel calls in the forward and in the backward, cache entries left
+    afterwards, and the global loss and summed gradients of one checkpointed training step."""
+    apply_seq_parallel_monkey_patch(mode, "llama")
+    model = tiny_model("llama").train()
+    enable_activation_checkpointing(model, use_reentrant=use_reentrant)
+    input_ids, target_ids = tiny_batch(2, 120)
+    local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
+    FORWARD_CALLS.reset()
+    logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]).logits
+    targets = local["local_target_ids"]
+    forward_calls = FORWARD_CALLS.calls
+    loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    stats = torch.stack([loss_sum.detach(), (targets != -100).sum().float()])
+    dist.all_reduce(stats)
+    FORWARD_CALLS.reset()
+    (loss_sum / stats[1]).backward()
+    backward_calls = FORWARD_CALLS.calls
+    grads = {}
+    for name, p in model.named_parameters():
+        grads[name] = p.grad.contiguous()
+        dist.all_reduce(grads[name])
+    remove_seq_parallel_monkey_patch()
+    return forward_calls, backward_calls, len(REMAT_CACHE), (stats[0] / stats[1]).item(), grads
+
+
 def _checkpointed_worker(rank, world_size, use_reentrant):
-    """Per mode: forward-attention kernel calls in the forward and in the backward, cache
-    entries left afterwards, and the global loss and summed gradients."""
-    results = {}
-    for mode in ("dist_flash_attn", "zigzag_ring_attn"):
-        apply_seq_parallel_monkey_patch(mode, "llama")
-        model = tiny_model("llama").train()
-        enable_activation_checkpointing(model, use_reentrant=use_reentrant)
-        input_ids, target_ids = tiny_batch(2, 120)
-        local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
-        FORWARD_CALLS.reset()
-        logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]).logits
-        targets = local["local_target_ids"]
-        forward_calls = FORWARD_CALLS.calls
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-        stats = torch.stack([loss_sum.detach(), (targets != -100).sum().float()])
-        dist.all_reduce(stats)
-        FORWARD_CALLS.reset()
-        (loss_sum / stats[1]).backward()
-        backward_calls = FORWARD_CALLS.calls
-        grads = {}
-        for name, p in model.named_parameters():
-            grads[name] = p.grad.contiguous()
-            dist.all_reduce(grads[name])
-        results[mode] = (forward_calls, backward_calls, len(REMAT_CACHE), (stats[0] / stats[1]).item(), grads)
-        remove_seq_parallel_monkey_patch()
-    return results
+    """Per mode: what _checkpointed_run measures."""
+    return {mode: _checkpointed_run(rank, world_size, mode, use_reentrant) for mode in ("dist_flash_attn", "zigzag_ring_attn")}
 
 
 @pytest.mark.timeout(200)
@@ -93,6 +94,38 @@ def test_checkpointed_backward_does_not_recompute_forward_attention(use_reentran
         assert (forward_calls, backward_calls, left_in_cache) == (4, 0, 0)
         _, loss_err, grad_err = errors((torch.zeros(1), loss, grads), (torch.zeros(1), want_loss, want_grads))
         assert loss_err <= 1e-5 and grad_err <= 5e-6  # measured: loss 0, grads 5.5e-7
+
+
+def _zigzag_with_layer_worker(rank, world_size, use_reentrant):
+    """zigzag_ring_attn with the HF layer handed to its attention, which is what lets the
+    executor keep the layer's output for the checkpoint re-run (the registry's zigzag mode
+    hands none: its recomputing backward is the control in the test above)."""
+    import dataclasses
+
+    import easy_context.modes.zigzag_ring_attn as zigzag
+
+    registered = zigzag.MODE
+    zigzag.MODE = dataclasses.replace(
+        registered,
+        attention=lambda q, k, v, scale, groups, layer=None, mask=None, **logits: zigzag.zigzag_ring_attention(
+            q, k, v, scale, groups.ring, mask, layer=layer, **logits
+        ),
+    )
+    try:
+        return _checkpointed_run(rank, world_size, "zigzag_ring_attn", use_reentrant)
+    finally:
+        zigzag.MODE = registered
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_zigzag_checkpointed_backward_does_not_recompute_forward_attention(use_reentrant):
+    _, want_loss, want_grads = reference(("llama", 2, torch.float32, "sdpa"), seq=120)
+    for forward_calls, backward_calls, left_in_cache, loss, grads in run_ranks(_zigzag_with_layer_worker, 2, use_reentrant):
+        # 2 layers x 2 kernel calls per attention forward at 2 ranks, none again in the backward.
+        assert (forward_calls, backward_calls, left_in_cache) == (4, 0, 0)
+        _, loss_err, grad_err = errors((torch.zeros(1), loss, grads), (torch.zeros(1), want_loss, want_grads))
+        assert loss_err <= 1e-5 and grad_err <= 5e-6
 
 
 def _nondeterministic_recompute_worker(rank, world_size):

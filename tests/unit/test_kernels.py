@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from easy_context.core import kernel_backends, kernels
-from easy_context.core.ring import merge_block
+from easy_context.core.blocks import merge_block
 
 CPU_BACKENDS = kernels.available_backends("cpu", torch.float32)
 # The lse is fp32 whatever the inputs' dtype: bf16 inputs get their own lse bound, not the

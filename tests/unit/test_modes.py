@@ -16,7 +16,7 @@ import pytest
 
 from easy_context.modes import BUILT_MODES, MODE_NAMES, get_mode, modes_with
 from easy_context.modes.costs import AttentionShape, Traffic, balanced_schedule_traffic
-from easy_context.modes.dist_flash_schedule import balanced_schedule
+from easy_context.modes.dist_flash_attn import balanced_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}

@@ -1,0 +1,144 @@
+"""Block math: one query shard's attention over kernel blocks, merged exactly.
+
+Every executor plan reduces to these: `forward_blocks` runs a unit's kernel calls and folds
+each block's (out, log-sum-exp) into fp32 accumulators (`merge_block`), `backward_blocks`
+gives the gradients from the global out/lse, and sinks are folded once at the end.
+Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from easy_context.core.kernels import accumulation_dtype, attention_backward, attention_forward, select_backend
+from easy_context.core.masking import FULL_ROWS, Block
+
+__all__ = [
+    "Kernels", "merge_block", "forward_blocks", "backward_blocks", "finish_forward", "empty_state", "fold_sinks",
+    "sinks_grad", "safe_lse",
+]
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's (out, lse) into running fp32 accumulators, in place.
+
+    out = (e^lse out + e^block_lse block_out) / (e^lse + e^block_lse), written as a lerp with
+    weight sigmoid(block_lse - lse): no exponent of a raw log-sum-exp is taken. Rows without
+    any key so far or in this block have lse = -inf; the NaN of (-inf) - (-inf) means
+    "nothing on either side" and becomes weight 0.
+    """
+    weight = torch.sigmoid(block_lse - lse).nan_to_num_(0.0).unsqueeze(-1)
+    torch.logaddexp(lse, block_lse, out=lse)
+    out.lerp_(block_out.to(out.dtype), weight)
+
+
+def _part(x: torch.Tensor, block: Block, rows: slice) -> torch.Tensor:
+    return x[block.batch, :, rows]
+
+
+class Kernels:
+    """The backends for one attention call (plain blocks and masked blocks) and the logit
+    softcap every block applies (None: none)."""
+
+    def __init__(self, q, masked: bool, softcap=None):
+        self.softcap = softcap or None
+        self.plain = select_backend(q, softcap=bool(softcap))
+        self.masked = select_backend(q, masked=True, softcap=bool(softcap)) if masked else None
+
+    def __call__(self, block: Block):
+        return self.masked if block.mask is not None else self.plain
+
+
+def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, state=None):
+    """Attention of q's rows over `blocks` of k/v, merged into state = (out, lse) (fp32 from
+    the first merge on); returns the new state. Rows no block reaches have out 0, lse -inf."""
+    out, lse = state if state is not None else (None, None)
+    acc = accumulation_dtype(q.dtype)
+    for block in blocks:
+        block_out, block_lse = attention_forward(
+            _part(q, block, block.q), _part(k, block, block.kv), _part(v, block, block.kv),
+            block.causal, scale, kernels(block), mask=block.mask, softcap=kernels.softcap,
+        )
+        if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
+            out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
+            continue
+        if out is None:
+            out, lse = empty_state(q, acc)
+        elif out.dtype != acc:  # the first merge: accumulate in fp32 from here on
+            out, lse = out.to(acc), lse.to(acc)
+        merge_block(_part(out, block, block.q), lse[block.batch, :, block.q], block_out, block_lse)
+    return (out, lse) if out is not None else None
+
+
+def empty_state(q, acc):
+    return torch.zeros_like(q, dtype=acc), torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+
+
+def finish_forward(q, state, sinks=None):
+    """The merged (out, lse) of q's rows, with the sinks folded in (before out is cast to q's
+    dtype: one rounding)."""
+    out, lse = fold_sinks(*(state if state is not None else empty_state(q, accumulation_dtype(q.dtype))), sinks)
+    return out.to(q.dtype), lse
+
+
+# Attention sinks (gpt-oss): a learned logit per head that joins every row's softmax
+# denominator once, with a value of zero. Folding it into the merged (out, lse) makes the
+# result the attention over the keys plus the sink. The backward then needs nothing new: with
+# that out and lse, the kernels' usual backward (p = exp(s - lse), delta = rowsum(dout * out))
+# is exactly the gradient of the attention with the sink, and the sink's own gradient is
+# -sum over rows of exp(sink - lse) * delta.
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks) -> tuple:
+    """(out, lse) of q's rows over every key -> the same with the sinks (Hq,) in the softmax."""
+    if sinks is None:
+        return out, lse
+    if sinks.shape != (lse.shape[1],):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({lse.shape[1]},), got {tuple(sinks.shape)}")
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    return out * torch.exp(lse - total).unsqueeze(-1).to(out.dtype), total
+
+
+def sinks_grad(dout, out, lse, sinks):
+    """d loss / d sinks for rows whose (out, lse) include the sinks (fold_sinks)."""
+    if sinks is None or not sinks.requires_grad:
+        return None
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, S)
+    return -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _accumulate(total, block: Block, rows: slice, block_grad, like, acc):
+    """total[rows] += block_grad, where a missing total starts as the block gradient itself
+    when the block covers every row (no zero-filled buffer, no copy in fp32)."""
+    if total is None:
+        if rows == FULL_ROWS and block.batch == FULL_ROWS:
+            return block_grad.to(acc)
+        total = torch.zeros_like(like, dtype=acc)
+    _part(total, block, rows).add_(block_grad)
+    return total
+
+
+def backward_blocks(dout, q, k, v, out, lse, blocks: Sequence[Block], scale, kernels: Kernels, grads=(None, None, None)):
+    """Gradients of forward_blocks given the global out/lse of q's rows, added to grads =
+    (dq, dk, dv) fp32 accumulators (None: not started); returns the new grads."""
+    dq, dk, dv = grads
+    acc = accumulation_dtype(q.dtype)
+    for block in blocks:
+        rows = block.q
+        block_dq, block_dk, block_dv = attention_backward(
+            _part(dout, block, rows), _part(q, block, rows), _part(k, block, block.kv), _part(v, block, block.kv),
+            _part(out, block, rows), lse[block.batch, :, rows], block.causal, scale, kernels(block), mask=block.mask,
+            softcap=kernels.softcap,
+        )
+        dq = _accumulate(dq, block, rows, block_dq, q, acc)
+        dk = _accumulate(dk, block, block.kv, block_dk, k, acc)
+        dv = _accumulate(dv, block, block.kv, block_dv, v, acc)
+        del block_dq, block_dk, block_dv
+    return dq, dk, dv
+
+
+def safe_lse(lse: torch.Tensor, masked: bool) -> torch.Tensor:
+    """Rows that attend nothing (padding) have lse -inf; the backward sees 0 there, so they get
+    no gradient and no NaN from (-inf) - (-inf)."""
+    return lse.masked_fill(lse == float("-inf"), 0.0) if masked else lse

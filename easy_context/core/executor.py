@@ -1,0 +1,277 @@
+"""The executor: exact attention over a sequence sharded across a process group, run as a plan.
+
+A plan is a list of rounds; a round is a list of units, the same list on every rank. A unit
+(query owner, K/V owner, worker, rows) says: `worker` computes the attention of rows `rows`
+of the query owner's local queries against the K/V owner's local K/V. The modes differ only
+in their plans:
+  ring (core/ring.py)  round t: every rank computes its own queries against the K/V of the
+                       rank t before it (worker = query owner);
+  dist_flash           LightSeq's balanced schedule: some units are computed by the K/V owner
+                       for a query owner further along the sequence (worker = K/V owner).
+
+Each round, the inputs a worker lacks (the K/V owner's K/V; the query owner's query rows,
+and in the backward its dout/out/lse rows) are fetched while the previous round computes,
+and what a worker computed for another rank (partial out/lse in the forward, dQ/dK/dV in
+the backward, fp32) travels back while the next round computes. Units a worker computes for
+its own query rows merge straight into its running fp32 state, in round order; returned
+partials merge when they arrive, one round later. Nothing is ever gathered on one rank.
+
+Recompute-free checkpointing (remat.py): given the HF layer, a forward re-run by gradient
+checkpointing inside the backward takes the layer's stored output instead of attending again.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from easy_context.core.blocks import (
+    Kernels, backward_blocks, empty_state, finish_forward, forward_blocks, merge_block, safe_lse, sinks_grad,
+)
+from easy_context.core.kernels import accumulation_dtype
+from easy_context.core.masking import Block
+from easy_context.core.p2p import Pending, buffer_like, exchange
+from easy_context.core.remat import AttentionOutputCache, in_backward
+
+__all__ = ["Unit", "Plan", "execute", "REMAT_CACHE"]
+
+# Attention outputs kept across checkpoint recomputation, per HF layer.
+REMAT_CACHE = AttentionOutputCache()
+
+
+class Unit(NamedTuple):
+    """`worker` computes rows part/parts of q_owner's queries against the K/V of kv_owner."""
+
+    q_owner: int
+    kv_owner: int
+    worker: int
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def causal(self) -> bool:
+        return self.q_owner == self.kv_owner
+
+    def rows(self, q_len: int) -> slice:
+        size = q_len // self.parts
+        stop = q_len if self.part == self.parts - 1 else (self.part + 1) * size
+        return slice(self.part * size, stop)
+
+
+class Plan(Protocol):
+    masked: bool  # whether some rows may have no allowed key in a block (lse = -inf)
+    rounds: list  # list of rounds, each a list of Units; identical on every rank
+
+    def rows(self, unit: Unit) -> slice:
+        """The query owner's local rows the unit covers."""
+
+    def blocks(self, unit: Unit) -> Sequence[Block]:
+        """Kernel calls of the unit: query rows relative to `rows(unit)`, keys of the K/V owner."""
+
+
+def _covers_all(rows: slice, q_len: int) -> bool:
+    return rows.start in (None, 0) and rows.stop in (None, q_len)
+
+
+def _shifted(blocks: Sequence[Block], rows: slice, q_len: int) -> Sequence[Block]:
+    """Blocks relative to `rows` as blocks of all q_len local rows."""
+    if _covers_all(rows, q_len):
+        return blocks
+    start, length = rows.start or 0, rows.stop - (rows.start or 0)
+    shifted = []
+    for block in blocks:
+        first, last, _ = block.q.indices(length)
+        shifted.append(block._replace(q=slice(start + first, start + last)))
+    return shifted
+
+
+def _transfer(group, me, units, sender, receiver, payload, template) -> Pending:
+    """For each unit whose sender(u) and receiver(u) differ, send payload(i, u) from the sender
+    to the receiver, into buffers made by template(u) = [(like, dtype)]. Returns {i: buffers}.
+    Both sides post in unit order, so messages between two ranks match."""
+    sends, recvs, received = [], [], {}
+    for i, unit in enumerate(units):
+        src, dst = sender(unit), receiver(unit)
+        if src == dst or me not in (src, dst):
+            continue
+        if me == src:
+            sends += [(dst, tensor, like) for tensor, (like, _) in zip(payload(i, unit), template(unit))]
+        else:
+            received[i] = [buffer_like(like, dtype) for like, dtype in template(unit)]
+            recvs += [(src, buffer) for buffer in received[i]]
+    return exchange(group, sends, recvs, received)
+
+
+def _q_owner(u):
+    return u.q_owner
+
+
+def _kv_owner(u):
+    return u.kv_owner
+
+
+def _worker(u):
+    return u.worker
+
+
+class _Run:
+    """One call's plan, process group and tensors' templates, shared by forward and backward."""
+
+    def __init__(self, plan: Plan, group, me: int, softcap):
+        self.plan, self.group, self.me, self.softcap = plan, group, me, softcap
+
+    def rows(self, unit, x):
+        return x[:, :, self.plan.rows(unit)]
+
+    def fetch(self, units, q_side, kv):
+        """Transfers of the inputs the workers of `units` lack: q-side rows and K/V."""
+        q_template = lambda u: [(self.rows(u, x), None) for x in q_side]  # noqa: E731
+        kv_template = lambda u: [(x, None) for x in kv]  # noqa: E731
+        return (
+            _transfer(self.group, self.me, units, _q_owner, _worker, lambda i, u: [self.rows(u, x) for x in q_side], q_template),
+            _transfer(self.group, self.me, units, _kv_owner, _worker, lambda i, u: list(kv), kv_template),
+        )
+
+    def rounds(self, q_side, kv):
+        """(round's units, fetched q-side rows {i: [...]}, fetched K/V {i: [k, v]}) per round,
+        the next round's fetch in flight while the caller computes this one."""
+        rounds = self.plan.rounds
+        pending = self.fetch(rounds[0], q_side, kv) if rounds else None
+        for t, units in enumerate(rounds):
+            fetched_q, fetched_kv = (p.wait() for p in pending)
+            pending = self.fetch(rounds[t + 1], q_side, kv) if t + 1 < len(rounds) else None
+            yield units, fetched_q, fetched_kv
+
+
+def _forward(q, k, v, scale, run: _Run, sinks=None):
+    plan, me, acc = run.plan, run.me, accumulation_dtype(q.dtype)
+    kernels = Kernels(q, plan.masked, run.softcap)
+    lse_like = torch.empty(q.shape[:3], dtype=acc, device=q.device)  # the shape of a returned lse
+    state = None
+
+    def merge_returned(returning):
+        nonlocal state
+        units, pending = returning
+        for i, (block_out, block_lse) in pending.wait().items():
+            if state is None or state[0].dtype != acc:
+                state = empty_state(q, acc) if state is None else (state[0].to(acc), state[1].to(acc))
+            r = plan.rows(units[i])
+            merge_block(state[0][:, :, r], state[1][:, :, r], block_out, block_lse)
+
+    returning = None
+    for units, fetched_q, fetched_kv in run.rounds([q], [k, v]):
+        results = {}
+        for i, u in enumerate(units):
+            if u.worker != me:
+                continue
+            uk, uv = fetched_kv.get(i, (k, v))
+            if u.q_owner == me:
+                state = forward_blocks(q, uk, uv, _shifted(plan.blocks(u), plan.rows(u), q.shape[2]), scale, kernels, state)
+            else:
+                uq = fetched_q[i][0]
+                results[i] = list(finish_forward(uq, forward_blocks(uq, uk, uv, plan.blocks(u), scale, kernels)))
+        if returning is not None:
+            merge_returned(returning)
+        returning = None
+        if any(u.worker != u.q_owner for u in units):
+            returning = (units, _transfer(
+                run.group, me, units, _worker, _q_owner, lambda i, u: results[i],
+                lambda u: [(run.rows(u, q), None), (run.rows(u, lse_like), None)],
+            ))
+    if returning is not None:
+        merge_returned(returning)
+    return finish_forward(q, state, sinks)
+
+
+def _backward(dout, q, k, v, out, lse, scale, run: _Run):
+    plan, me, acc = run.plan, run.me, accumulation_dtype(q.dtype)
+    kernels = Kernels(q, plan.masked, run.softcap)
+    lse = safe_lse(lse, plan.masked)
+    grads = [None, None, None]  # this rank's dQ, dK, dV (fp32), started at the first contribution
+
+    def add_returned(returning):
+        units, dq_pending, dkv_pending = returning
+        for i, (block_dq,) in dq_pending.wait().items():
+            if grads[0] is None:
+                grads[0] = torch.zeros_like(q, dtype=acc)
+            run.rows(units[i], grads[0]).add_(block_dq)
+        for block_dk, block_dv in dkv_pending.wait().values():
+            grads[1] = block_dk if grads[1] is None else grads[1].add_(block_dk)
+            grads[2] = block_dv if grads[2] is None else grads[2].add_(block_dv)
+
+    returning = None
+    for units, fetched_q, fetched_kv in run.rounds([q, dout, out, lse], [k, v]):
+        partial = {}  # unit index -> [dQ rows or None, dK or None, dV or None] for other ranks
+        for i, u in enumerate(units):
+            if u.worker != me:
+                continue
+            uk, uv = fetched_kv.get(i, (k, v))
+            own_kv = u.kv_owner == me
+            if u.q_owner == me:
+                blocks = _shifted(plan.blocks(u), plan.rows(u), q.shape[2])
+                dq, dk, dv = backward_blocks(dout, q, uk, uv, out, lse, blocks, scale, kernels,
+                                             (grads[0], *(grads[1:] if own_kv else (None, None))))
+                grads[0] = dq
+            else:
+                uq, udout, uout, ulse = fetched_q[i]
+                dq, dk, dv = backward_blocks(udout, uq, uk, uv, uout, ulse, plan.blocks(u), scale, kernels,
+                                             (None, *(grads[1:] if own_kv else (None, None))))
+            if own_kv:
+                grads[1], grads[2] = dk, dv
+            partial[i] = [None if u.q_owner == me else dq, None if own_kv else dk, None if own_kv else dv]
+        if returning is not None:
+            add_returned(returning)
+        returning = (
+            units,
+            _transfer(run.group, me, units, _worker, _q_owner, lambda i, u: partial[i][:1],
+                      lambda u: [(run.rows(u, q), acc)]),
+            _transfer(run.group, me, units, _worker, _kv_owner, lambda i, u: partial[i][1:],
+                      lambda u: [(k, acc), (v, acc)]),
+        )
+    if returning is not None:
+        add_returned(returning)
+    return tuple(torch.zeros_like(x) if g is None else g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+class _Executed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, scale, run, layer, graph):
+        cached = REMAT_CACHE.take(layer) if layer is not None and in_backward() else None
+        tag = None
+        if cached is not None:  # a checkpointed layer re-running its forward: nothing to recompute
+            out, lse = cached
+        else:
+            out, lse = _forward(q, k, v, scale, run, sinks)
+            if layer is not None and layer.training and not in_backward():
+                tag = REMAT_CACHE.put(layer, out, lse, graph)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.scale, ctx.run, ctx.layer, ctx.tag = scale, run, layer, tag
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        if ctx.tag is not None:
+            REMAT_CACHE.discard(ctx.layer, ctx.tag)  # not checkpointed: the entry was never needed
+            served = REMAT_CACHE.served(ctx.layer)
+            if served is not None and served != ctx.tag:
+                # The re-run got another forward's output (a forward ran between ours and this
+                # backward): recompute ours. Every rank sees the same sequence of calls.
+                out, lse = _forward(q, k, v, ctx.scale, ctx.run, sinks)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.scale, ctx.run)
+        return dq, dk, dv, sinks_grad(dout, out, lse, sinks), None, None, None, None
+
+
+def execute(q, k, v, scale: float, plan: Plan, group=None, layer=None, softcap=None, sinks=None) -> torch.Tensor:
+    """Exact attention of the local queries against the K/V of every rank in `group`, as `plan`
+    schedules it. q (B, Hq, S_local, D), k/v (B, Hkv, S_kv, D); returns (B, Hq, S_local, D).
+    `group=None` or a group of one rank: the plan's units of rank 0, with no communication.
+    `layer` (the HF attention module): reuse its stored output when gradient checkpointing
+    re-runs the forward in the backward. softcap: logits c * tanh(s / c); sinks (Hq,): a
+    learned logit per head in every row's softmax."""
+    distributed = group is not None and dist.get_world_size(group) > 1
+    run = _Run(plan, group if distributed else None, dist.get_rank(group) if distributed else 0, softcap)
+    # Grad mode is off inside autograd.Function.forward: read it here.
+    return _Executed.apply(q, k, v, sinks, scale, run, layer, torch.is_grad_enabled())
