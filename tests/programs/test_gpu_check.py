@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from easy_context import kernels
+from easy_context.core import kernels
 from tools import check_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
