@@ -113,7 +113,7 @@ def run(spec, world):
 
 def fit_line(xs, ys):
     """Least-squares slope and intercept."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
     return slope, my - slope * mx
 
