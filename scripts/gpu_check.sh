@@ -10,11 +10,11 @@
 #
 # Sections (each with its own time limit; one failing does not stop the others):
 #   env         torch / CUDA / GPU, the optional packages, the kernel backends usable per dtype
-#   kernels     scripts/check_kernels.py: every backend vs fp64, fp32/bf16/fp16, bound 2x SDPA's error
-#   modes_p1    scripts/check_exactness.py, every mode on one rank: logits, loss, every gradient
+#   kernels     tools/check_kernels.py: every backend vs fp64, fp32/bf16/fp16, bound 2x SDPA's error
+#   modes_p1    tools/check_exactness.py, every mode on one rank: logits, loss, every gradient
 #               vs the unpatched model (fp32, bf16 weights, fp32 under bf16 autocast)
 #   modes_pN    the same on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
-#   bench       scripts/bench_kernels.py: our backends and modes vs flash SDPA, fwd+bwd, S = 8K-64K
+#   bench       benchmarks/bench_kernels.py: our backends and modes vs flash SDPA, fwd+bwd, S = 8K-64K
 #               (flash_attn and ring_flash_attn rows when they import)
 #   train       train.py, tiny Llama, 2 steps per memory option (none, checkpointing, + offload,
 #               tiled MLP, loss chunk 1024, all; all under bf16 autocast): final losses must agree
@@ -160,7 +160,7 @@ EOF
 modes_exact() {  # modes_exact NPROC
   local nproc=$1 status=0 mode
   for mode in zigzag_ring_attn dist_flash_attn ulysses_attn usp_attn; do
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" scripts/check_exactness.py \
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m tools.check_exactness \
       --mode "$mode" --dtypes fp32,bf16 --autocast $EXACT_ARGS || status=1
   done
   return $status
@@ -235,10 +235,10 @@ EOF
 export -f env_report modes_exact train_options peers
 export PY WORK NGPU EXACT_ARGS TRAIN_LEN
 section env 45 env_report
-section kernels 90 "$PY" scripts/check_kernels.py $KERNEL_ARGS
+section kernels 90 "$PY" -m tools.check_kernels $KERNEL_ARGS
 section modes_p1 150 modes_exact 1
 if [ "$MULTI" -ge 2 ]; then section "modes_p$MULTI" 150 modes_exact "$MULTI"; fi
-section bench 120 "$PY" scripts/bench_kernels.py $BENCH_ARGS
+section bench 120 "$PY" -m benchmarks.bench_kernels $BENCH_ARGS
 section train 240 train_options
 section peers 60 peers
 

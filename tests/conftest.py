@@ -193,7 +193,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 def _source_files() -> dict:
     """(modification time, size) of every Python file a test or one of its ranks may import or run."""
     files = [*_ROOT.glob("*.py"), *(_ROOT / "easy_context").rglob("*.py"), *(_ROOT / "tests").rglob("*.py"),
-             *(_ROOT / "scripts").glob("*.py"), *(_ROOT / "examples").glob("*.py")]
+             *(_ROOT / "benchmarks").glob("*.py"), *(_ROOT / "tools").glob("*.py"), *(_ROOT / "examples").glob("*.py")]
     return {str(f.relative_to(_ROOT)): (f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()}
 
 

@@ -26,9 +26,9 @@ def script_module(name: str):
 
 FLAG_CASES = [  # (script, flags, message): refused by parse_args before anything loads
     ("eval_needle.py", ["--max_new_tokens", "5"], "--max_new_tokens needs --generate and a value >= 1, got 5"),
-    ("scripts/generate.py", ["--prompt", "x", "--max_new_tokens", "0"], "--max_new_tokens must be >= 1, got 0"),
-    ("scripts/generate.py", ["--prompt", "x", "--top_p", "0.9"], "--temperature/--top_p/--top_k need --do_sample"),
-    ("scripts/generate.py", [], "one of the arguments --prompt_file/--prompt-file --prompt is required"),
+    ("tools/generate.py", ["--prompt", "x", "--max_new_tokens", "0"], "--max_new_tokens must be >= 1, got 0"),
+    ("tools/generate.py", ["--prompt", "x", "--top_p", "0.9"], "--temperature/--top_p/--top_k need --do_sample"),
+    ("tools/generate.py", [], "one of the arguments --prompt_file/--prompt-file --prompt is required"),
     ("train.py", ["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
     ("train.py", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     ("train.py", ["--max-train-steps", "0"], "--max-train-steps must be >= 1, got 0"),

@@ -76,7 +76,8 @@ def run_script(script, *flags, processes=1, cwd=ROOT):
     else:
         command = [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([*command, str(ROOT / script), *flags], capture_output=True, text=True, timeout=240,
+    target = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]  # a module: from ROOT
+    result = subprocess.run([*command, *target, *flags], capture_output=True, text=True, timeout=240,
                             env=env, cwd=cwd)
     return result
 
@@ -109,8 +110,8 @@ def test_eval_ppl_parallel_equals_single_process(tmp_path, saved_model):
     counts = json.loads(truncated.with_suffix(".json").read_text())["perplexity"][str(saved_model)]
     assert [counts[n]["tokens"] for n in ("99", "198", "396")] == [2 * 98, 2 * 197, 2 * 395]
 
-    plot = ok(subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_ppl.py"), str(single), str(truncated),
-                              "--output", str(tmp_path / "both.png")], capture_output=True, text=True, timeout=120))
+    plot = ok(subprocess.run([sys.executable, "-m", "tools.plot_ppl", str(single), str(truncated),
+                              "--output", str(tmp_path / "both.png")], capture_output=True, text=True, timeout=120, cwd=ROOT))
     assert (tmp_path / "both.png").stat().st_size > 1000 and (tmp_path / "both.pdf").exists(), plot.stdout
 
 
@@ -247,10 +248,10 @@ def test_generate_script_parallel_equals_single_process(tmp_path, saved_model):
     prompt.write_text("The special magic number is 4821. " * 12 + "What is the special magic number? It is")
     flags = ["--model", str(saved_model), "--prompt_file", str(prompt), "--max_new_tokens", "24"]
     for extra in ([], ["--do_sample", "--temperature", "1.5", "--seed", "7"]):
-        single = ok(run_script("scripts/generate.py", *flags, *extra, "--parallel_mode", "data_parallel"))
+        single = ok(run_script("tools.generate", *flags, *extra, "--parallel_mode", "data_parallel"))
         for mode in ("zigzag_ring_attn", "ulysses_attn"):
-            parallel = ok(run_script("scripts/generate.py", *flags, *extra, "--parallel_mode", mode, processes=2))
+            parallel = ok(run_script("tools.generate", *flags, *extra, "--parallel_mode", mode, processes=2))
             assert parallel.stdout == single.stdout and parallel.stdout.strip(), (extra, mode)
             assert f"{mode} over 2 process(es)" in parallel.stderr and "K/V cache on this rank" in parallel.stderr
-    missing = run_script("scripts/generate.py", "--model", str(saved_model), "--prompt_file", str(tmp_path / "none.txt"))
+    missing = run_script("tools.generate", "--model", str(saved_model), "--prompt_file", str(tmp_path / "none.txt"))
     assert missing.returncode == 2 and "none.txt: no such file" in missing.stderr

@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from easy_context.core import kernels
+from tools import check_kernels
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import check_kernels  # noqa: E402
-
-from easy_context import kernels  # noqa: E402
 
 
 @pytest.mark.timeout(60)
@@ -54,9 +52,9 @@ def test_check_kernels_fails_a_wrong_backend(monkeypatch):
 @pytest.mark.timeout(120)
 def test_bench_kernels_rows(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--device", "cpu", "--seq-len", "256",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_kernels", "--device", "cpu", "--seq-len", "256",
                           "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--iters", "1", "--json", str(out)],
-                         capture_output=True, text=True, timeout=110)
+                         capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     for name in ("sdpa", "kernel:cpu_flash", "kernel:math", "zigzag_ring_attn P=1", "dist_flash_attn P=1"):

@@ -12,7 +12,6 @@ import pytest
 from easy_context.programs import plan as P
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def cli(*args):
@@ -103,7 +102,7 @@ def test_monotonic(name):
 
 
 def test_published_verdicts():
-    import validate_plan
+    from tools import validate_plan
 
     for what, published, fit, margin_fit, peak in validate_plan.table_published():
         if published is not None:
@@ -111,7 +110,7 @@ def test_published_verdicts():
 
 
 def test_measured_rows_within_15_percent():
-    import validate_plan
+    from tools import validate_plan
 
     errors = validate_plan.table_measured()
     assert len(errors) >= 6 and max(abs(e) for e in errors) <= 0.15

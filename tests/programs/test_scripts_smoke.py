@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCH_ATTENTION = [sys.executable, "-m", "benchmarks.bench_attention"]  # run from ROOT
 
 
 def table_rows(stdout: str) -> list[list[str]]:
@@ -17,8 +18,8 @@ def table_rows(stdout: str) -> list[list[str]]:
 @pytest.mark.timeout(300)
 def test_bench_train_smoke(tmp_path):
     csv_path = tmp_path / "train.csv"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--smoke", "--exact-memory",
-                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_train", "--smoke", "--exact-memory",
+                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, check=True, cwd=ROOT).stdout
     steps, fits = out.split("longest context within")
     header, *rows = table_rows(steps)
     assert header[:2] == ["config", "S"] and len(rows) == 6
@@ -36,8 +37,8 @@ def test_bench_train_smoke(tmp_path):
 @pytest.mark.timeout(300)
 def test_bench_attention_smoke(tmp_path):
     csv_path = tmp_path / "attention.csv"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_attention.py"), "--smoke", "--world-sizes", "1,2",
-                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280)
+    out = subprocess.run([*BENCH_ATTENTION, "--smoke", "--world-sizes", "1,2",
+                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     header, *rows = table_rows(out.stdout)
     assert header[:4] == ["config", "S", "P", "time (s)"]
@@ -52,10 +53,9 @@ def test_bench_attention_smoke(tmp_path):
 def test_bench_attention_masked_smoke(tmp_path):
     """--smoke-masks: every kind of mask through zigzag_ring_attn and dist_flash_attn at S=256, P=2,
     each checked against SDPA with the dense mask; then the summary against the causal rows."""
-    script = str(ROOT / "scripts" / "bench_attention.py")
     csv_path = tmp_path / "masked.csv"
-    out = subprocess.run([sys.executable, script, "--smoke-masks", "--csv", str(csv_path)],
-                         capture_output=True, text=True, timeout=140)
+    out = subprocess.run([*BENCH_ATTENTION, "--smoke-masks", "--csv", str(csv_path)],
+                         capture_output=True, text=True, timeout=140, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     main_table, summary = out.stdout.split("masked rows against the same mode's causal row")
     header, *rows = table_rows(main_table)
@@ -79,13 +79,13 @@ def test_bench_attention_masked_smoke(tmp_path):
     # the CSV keeps the old columns first; --from-csv reads it back, and reads CSVs without masks as causal
     lines = csv_path.read_text().splitlines()
     assert len(lines) == len(rows) + 1 and lines[0].endswith(",mask,allowed_ratio")
-    again = subprocess.run([sys.executable, script, "--from-csv", str(csv_path)], capture_output=True, text=True,
-                           timeout=60, check=True).stdout
+    again = subprocess.run([*BENCH_ATTENTION, "--from-csv", str(csv_path)], capture_output=True, text=True,
+                           timeout=60, check=True, cwd=ROOT).stdout
     assert "masked rows against the same mode's causal row" in again
     old_csv = tmp_path / "old.csv"
     old_csv.write_text("\n".join(line.rsplit(",", 2)[0] for line in lines[:3]) + "\n")
-    old = subprocess.run([sys.executable, script, "--from-csv", str(old_csv)], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    old = subprocess.run([*BENCH_ATTENTION, "--from-csv", str(old_csv)], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=ROOT).stdout
     assert [r[-3] for r in table_rows(old)[1:]] == ["causal", "causal"] and "masked rows" not in old
 
 
@@ -95,13 +95,11 @@ def test_bench_attention_peers_smoke(tmp_path):
     the reason it cannot run (never a failed run); lucidrains' wrong dK/dV are flagged WRONG."""
     import importlib.util
 
-    script = str(ROOT / "scripts" / "bench_attention.py")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_peers
+    from benchmarks import bench_peers
 
     csv_path = tmp_path / "peers.csv"
-    out = subprocess.run([sys.executable, script, "--smoke", "--world-sizes", "2", "--modes", "zigzag_ring_attn",
-                          "--peers", "all", "--csv", str(csv_path)], capture_output=True, text=True, timeout=280)
+    out = subprocess.run([*BENCH_ATTENTION, "--smoke", "--world-sizes", "2", "--modes", "zigzag_ring_attn",
+                          "--peers", "all", "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     main_table, summary = out.stdout.split("peers: errors against SDPA")
     rows = {r[0]: r for r in table_rows(main_table)[1:]}
@@ -132,16 +130,16 @@ def test_bench_attention_peers_smoke(tmp_path):
         if r[9] == "yes":  # an exact peer gets our fastest / lowest-peak mode's ratios
             assert r[10].endswith("(zigzag_ring_attn)") and float(r[10].split()[0]) > 0, r
     assert len(csv_path.read_text().splitlines()) == len(rows) + 1
-    again = subprocess.run([sys.executable, script, "--from-csv", str(csv_path)], capture_output=True, text=True,
-                           timeout=60, check=True).stdout
+    again = subprocess.run([*BENCH_ATTENTION, "--from-csv", str(csv_path)], capture_output=True, text=True,
+                           timeout=60, check=True, cwd=ROOT).stdout
     assert "peers: errors against SDPA" in again
 
 
 @pytest.mark.timeout(200)
 def test_bench_replica_check_smoke():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(ROOT / "scripts" / "bench_replica_check.py"), "--seq-lengths", "256", "--steps", "2"],
-                         capture_output=True, text=True, timeout=190)
+                          "-m", "benchmarks.bench_replica_check", "--seq-lengths", "256", "--steps", "2"],
+                         capture_output=True, text=True, timeout=190, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     header, *rows = table_rows(out.stdout)
     assert header[0] == "seq len" and [r[0] for r in rows] == ["256"] and float(rows[0][1]) > 0
@@ -162,8 +160,8 @@ def test_hf_trainer_example(tmp_path, flags):
 @pytest.mark.timeout(300)
 def test_bench_generate_smoke(tmp_path):
     csv_path = tmp_path / "generate.csv"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_generate.py"), "--smoke", "--modes", "zigzag_ring_attn",
-                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_generate", "--smoke", "--modes", "zigzag_ring_attn",
+                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, check=True, cwd=ROOT).stdout
     header, *rows = table_rows(out)
     assert header[:4] == ["config", "S", "first token s", "ms/token"] and len(rows) == 4
     assert [r[0] for r in rows] == ["hf", "zigzag_ring_attn P=2"] * 2 and [r[1] for r in rows] == ["1000"] * 2 + ["2000"] * 2

@@ -269,7 +269,7 @@ def test_the_readme_lists_exactly_the_supported_and_refused_types():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("<!-- model-types:begin -->\n", 1)[1].split("\n<!-- model-types:end -->", 1)[0]
-    assert block == markdown_tables(), "README out of date: paste the output of python scripts/model_types_table.py"
+    assert block == markdown_tables(), "README out of date: paste the output of python -m tools.model_types_table"
 
 
 @pytest.mark.timeout(600)

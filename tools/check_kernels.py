@@ -1,7 +1,7 @@
 """Check every usable kernel backend against attention computed in fp64, on any device.
 
-    python scripts/check_kernels.py                  # CUDA when there is one, else CPU
-    python scripts/check_kernels.py --device cpu --json out.json
+    python -m tools.check_kernels                  # CUDA when there is one, else CPU
+    python -m tools.check_kernels --device cpu --json out.json
 
 For each dtype and each backend that easy_context.core.kernels offers for it on this device, one
 forward (out, lse) and one backward (dq, dk, dv, from the backward's contract: the block's
@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from easy_context.core import kernels  # noqa: E402
+from easy_context.core import kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}

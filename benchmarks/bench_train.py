@@ -1,6 +1,6 @@
 """One training step of a tiny Llama (vocab 32000): our modes and memory options vs plain HF.
 
-    python scripts/bench_train.py --seq-lengths 4096,8192 [--csv out.csv]
+    python -m benchmarks.bench_train --seq-lengths 4096,8192 [--csv out.csv]
 
 Rows, each in fresh processes (CPU, gloo, 2 threads in all):
   hf-plain        1 process: the unpatched model, sdpa, no checkpointing, full logits,
@@ -18,36 +18,17 @@ holds.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import os
-import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from benchmarks.harness import (init_gloo, memory_total_gib, reset_peak_rss, spawn_ranks, status_bytes,
+                                table_header, use_exact_memory, write_csv, write_result)
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-
-
-def _model(vocab: int, checkpointing: bool, tile: int):
+def tiny_llama(vocab: int, checkpointing: bool, tile: int):
+    """The benchmarks' tiny Llama (4 layers, hidden 256, 4 query / 2 KV heads), seed 0."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from easy_context.programs.tiled_mlp import tile_mlps
@@ -67,13 +48,12 @@ def _model(vocab: int, checkpointing: bool, tile: int):
 def _worker(rank, world, spec, workdir):
     torch.set_num_threads(max(1, 2 // world))
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=600))
+        init_gloo(rank, world, workdir)
     import easy_context as ec
     from easy_context.programs.loss import chunked_cross_entropy_sum, global_token_mean
 
     seq, mode, memory, vocab = spec["seq"], spec["mode"], spec["memory"], spec["vocab"]
-    model = _model(vocab, checkpointing=memory, tile=1024 if memory else 0)
+    model = tiny_llama(vocab, checkpointing=memory, tile=1024 if memory else 0)
     tokens = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(1))
     if mode is None:  # plain HF: full logits, HF's loss
         def step():
@@ -90,23 +70,23 @@ def _worker(rank, world, spec, workdir):
             global_token_mean(loss_sum, local["local_target_ids"])[0].backward()
         local_tokens = local["local_input_ids"].shape[1]
     if spec.get("profile"):  # where the memory goes (live tensors at the peak), then stop
-        from memory_trace import LiveTensorTrace
+        from benchmarks.memory_trace import LiveTensorTrace
 
         with LiveTensorTrace(model) as trace:
             step()
         if rank == 0:
             print(trace.report(tokens=seq), flush=True)
-        open(f"{workdir}/result{rank}", "w").write(f"nan {trace.peak} {local_tokens}")
+        write_result(workdir, rank, ["nan", trace.peak, local_tokens])
         return
     # Memory: the first step, measured from the RSS of the built model (a warm-up would
     # leave freed memory resident in the allocator and hide part of the peak). VmHWM is
     # the absolute peak (model, runtime and the step), what a memory budget has to hold.
-    before = _rss("VmRSS:")
-    _reset_peak()
+    before = status_bytes("VmRSS:")
+    reset_peak_rss(required=True)  # VmHWM back to the current RSS
     start = time.perf_counter()
     step()
     elapsed = time.perf_counter() - start
-    absolute = _rss("VmHWM:")
+    absolute = status_bytes("VmHWM:")
     model.zero_grad(set_to_none=True)
     if not spec.get("one_step"):  # time: the second step
         if world > 1:
@@ -116,25 +96,9 @@ def _worker(rank, world, spec, workdir):
         if world > 1:
             dist.barrier()
         elapsed = time.perf_counter() - start
-    with open(f"{workdir}/result{rank}", "w") as f:
-        f.write(f"{elapsed} {absolute - before} {local_tokens} {absolute}")
+    write_result(workdir, rank, [elapsed, absolute - before, local_tokens, absolute])
     if world > 1:
         dist.destroy_process_group()
-
-
-def spawn_ranks(worker, spec, world):
-    """worker(rank, world, spec, workdir) in `world` fresh processes; the numbers each rank
-    wrote to workdir/result<rank> (rank order), or None if a rank failed."""
-    with tempfile.TemporaryDirectory() as workdir:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=worker, args=(r, world, spec, workdir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(3600)
-        if any(p.exitcode != 0 for p in procs):
-            return None
-        return [list(map(float, open(f"{workdir}/result{r}").read().split())) for r in range(world)]
 
 
 def run(spec, world):
@@ -147,14 +111,9 @@ def run(spec, world):
             "bytes_per_token": peak / values[0][2], "absolute_mib": max(v[3] for v in values) / 2**20}
 
 
-def memory_total_gib() -> float:
-    with open("/proc/meminfo") as f:
-        return int(f.readline().split()[1]) / 2**20
-
-
 def fit_line(xs, ys):
     """Least-squares slope and intercept."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
     return slope, my - slope * mx
 
@@ -176,8 +135,8 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for CI")
     parser.add_argument("--profile", default=None, metavar="CONFIG", help="only this config: print what is live at its peak")
     args = parser.parse_args()
-    if args.exact_memory:  # read by glibc when each spawned rank starts
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    if args.exact_memory:
+        use_exact_memory()
     seqs = [512, 1024] if args.smoke else [int(s) for s in args.seq_lengths.split(",")]
     vocab = 1000 if args.smoke else args.vocab
     budget = args.memory_budget_gib or memory_total_gib()
@@ -188,8 +147,8 @@ def main():
         wanted = set((args.configs or args.profile).split(","))
         configs = [c for c in configs if c[0] in wanted]
 
-    print("| config | S | tokens/s | step s | peak MiB/rank (step) | KiB/local token | peak MiB/rank (absolute) |\n"
-          "|---|---|---|---|---|---|---|", flush=True)
+    print(table_header(["config", "S", "tokens/s", "step s", "peak MiB/rank (step)", "KiB/local token",
+                        "peak MiB/rank (absolute)"]), flush=True)
     rows = []
     for seq in seqs:
         for name, mode, memory, world in configs:
@@ -227,16 +186,9 @@ def main():
                     if "verify_tokens" in fit else " | | ")
         print(f"| {name} | {fit['slope_kib_per_token']:.1f} | {fixed:.0f} | {longest} | {verified} |", flush=True)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            fields = list(dict.fromkeys(k for r in rows for k in r))
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
         if fits:
-            with open(args.csv.replace(".csv", "") + "_fit.csv", "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in fits for k in r)))
-                writer.writeheader()
-                writer.writerows(fits)
+            write_csv(args.csv.replace(".csv", "") + "_fit.csv", fits)
 
 
 if __name__ == "__main__":

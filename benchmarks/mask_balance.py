@@ -2,8 +2,8 @@
 (causal square n(n+1)/2, rectangle nq*nk, masked tile nq*nk), from the same plans the
 attention runs. No processes, no timing: the plans are pure functions of the mask.
 
-    python scripts/mask_balance.py                      # S=16K, long-tailed mix, P=2 and 4
-    python scripts/mask_balance.py --seq 32768 --seeds 20
+    python -m benchmarks.mask_balance                      # S=16K, long-tailed mix, P=2 and 4
+    python -m benchmarks.mask_balance --seq 32768 --seeds 20
 
 Document lengths are drawn from a long-tailed (log-normal) distribution: many short
 documents and a few long ones, the mix of web / code corpora.

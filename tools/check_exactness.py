@@ -1,6 +1,6 @@
 """Check a parallel mode against the single-process model, on any machine.
 
-    torchrun --standalone --nproc_per_node 2 scripts/check_exactness.py --mode zigzag_ring_attn
+    torchrun --standalone --nproc_per_node 2 -m tools.check_exactness --mode zigzag_ring_attn
 
 Builds a tiny random Llama/Mistral/Qwen model (no download), runs one forward+backward with
 the sequence sharded over the ranks and compares logits, loss and every parameter gradient

@@ -1,6 +1,6 @@
 """Long-prompt generation: easy_context.generate on P ranks vs one process's model.generate.
 
-    python scripts/bench_generate.py --seq-lengths 16384,32768 [--new-tokens 64] [--csv out.csv]
+    python -m benchmarks.bench_generate --seq-lengths 16384,32768 [--new-tokens 64] [--csv out.csv]
 
 The tiny Llama of bench_train.py (vocab 32000, 4 layers, hidden 256, 4 query / 2 KV heads
 of 64), random weights, fp32, one random prompt (batch 1), greedy. Each row runs in fresh
@@ -29,26 +29,19 @@ Columns (each the median of --repeats runs, default 3: the machine's timings var
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-from bench_train import _model as bench_train_model  # noqa: E402  (the same tiny Llama)
-from bench_train import _reset_peak, _rss, spawn_ranks  # noqa: E402
+from benchmarks.bench_train import tiny_llama
+from benchmarks.harness import init_gloo, reset_peak_rss, spawn_ranks, status_bytes, write_csv, write_result
 
 
 def _model(vocab: int):
-    return bench_train_model(vocab, checkpointing=False, tile=0).eval()
+    return tiny_llama(vocab, checkpointing=False, tile=0).eval()
 
 
 class _Clock:
@@ -124,8 +117,7 @@ def _idle_gather_us(world: int) -> float:
 def _worker(rank, world, spec, workdir):
     torch.set_num_threads(max(1, 2 // world))
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=1200))
+        init_gloo(rank, world, workdir, timeout_s=1200)
     from transformers import AttentionInterface, DynamicCache
 
     import easy_context as ec
@@ -151,15 +143,15 @@ def _worker(rank, world, spec, workdir):
         attn = _Timed(AttentionInterface._global_mapping["sdpa"])
         AttentionInterface._global_mapping["sdpa"] = attn
     clock = _Clock()
-    before = _rss("VmRSS:")
-    _reset_peak()
+    before = status_bytes("VmRSS:")
+    reset_peak_rss(required=True)  # VmHWM back to the current RSS
     start = time.perf_counter()
     with torch.no_grad():
         if mode is not None:
             output = ec.generate(mode, model, prompt, streamer=clock, **kwargs)
         else:
             output = model.generate(prompt, streamer=_Reset(clock, attn, cache_update), **kwargs)
-    peak = _rss("VmHWM:") - before
+    peak = status_bytes("VmHWM:") - before
     gaps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
     steps = len(clock.times) - 1  # decoding steps through the cache (ours: the first one included)
     if mode is None:
@@ -167,8 +159,7 @@ def _worker(rank, world, spec, workdir):
     result = [clock.times[1] - start, statistics.median(gaps), generation.kv_bytes(output_cache(output)), peak,
               attn.seconds / steps, gather.seconds / steps if mode is not None else float("nan"),
               cache_update.seconds / steps, gather_us]
-    with open(f"{workdir}/result{rank}", "w") as f:
-        f.write(" ".join(map(str, result)))
+    write_result(workdir, rank, result)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -219,10 +210,7 @@ def main():
                   f"{result['kv_mib'] / baseline['kv_mib']:.2f} | {result['peak_mib']:.0f} | {result['attn_ms']:.1f} | "
                   f"{result['cache_ms']:.1f} | {result['gather_ms']:.1f} | {result['idle_gather_us']:.0f} |", flush=True)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=sorted({key for row in rows for key in row}, key=str))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows, sorted({key for row in rows for key in row}, key=str))
 
 
 if __name__ == "__main__":

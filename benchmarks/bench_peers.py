@@ -1,5 +1,5 @@
 """Other projects' sequence-parallel attention ("peers"), called the way their HF / module
-integrations call it, for scripts/bench_attention.py.
+integrations call it, for benchmarks/bench_attention.py.
 
 Each adapter is `make(torch, F, dist, rank, world, spec, scale) -> (attend, shard, to_out)`:
   attend(q, k, v)  the peer's attention on this rank's shards, q/k/v (B, H, S_local, D) leaf

@@ -1,13 +1,13 @@
 """Check the planner (easy_context/programs/plan.py) against measurements and published results.
 
-    python scripts/validate_plan.py                 # tables 1-3 (seconds)
-    python scripts/validate_plan.py --calibrate     # + table 0: saved-tensor bytes per layer (about 10 s of CPU)
-    python scripts/validate_plan.py --csv more.csv  # + rows of other `scripts/bench_train.py --csv` runs
+    python -m tools.validate_plan                 # tables 1-3 (seconds)
+    python -m tools.validate_plan --calibrate     # + table 0: saved-tensor bytes per layer (about 10 s of CPU)
+    python -m tools.validate_plan --csv more.csv  # + rows of other `python -m benchmarks.bench_train --csv` runs
 
 Table 0 (calibration): bytes per token one Llama decoder layer saves for backward, counted
 with torch's saved-tensor hooks (unique storages, parameters and RoPE tables excluded, slope
 between two lengths), next to the planner's per-layer formula.
-Table 1 (measured): scripts/bench_train.py per-rank absolute peaks (CPU, fp32, one fwd+bwd, no
+Table 1 (measured): benchmarks/bench_train.py per-rank absolute peaks (CPU, fp32, one fwd+bwd, no
 optimizer, --exact-memory): docs/bench_train.csv, the 64K check of docs/bench_train_fit.csv,
 and the rows in MEASURED below, next to the planner's prediction.
 Table 2 (published): fit / no-fit of published runs and the planner's per-GPU peak.
@@ -19,31 +19,29 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import sys
+
+from easy_context.programs.plan import GIB, MIB, PRESETS, Options, activation_terms, estimate, get_device, throughput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from easy_context.programs.plan import GIB, MIB, PRESETS, Options, activation_terms, estimate, get_device, throughput  # noqa: E402
 
 # Rows measured for the planner (not in docs/bench_train.csv), each with the command that
 # produced it (2 CPU cores, torch 2.13 CPU, 2026-12-01):
 MEASURED = [
-    # python scripts/bench_train.py --modes ulysses_attn,dist_flash_attn --seq-lengths 8192 --exact-memory
+    # python -m benchmarks.bench_train --modes ulysses_attn,dist_flash_attn --seq-lengths 8192 --exact-memory
     #   --configs "ulysses_attn P=2,ulysses_attn P=2 +mem,dist_flash_attn P=2,dist_flash_attn P=2 +mem"
     {"config": "ulysses_attn P=2", "seq": 8192, "vocab": 32000, "absolute_mib": 2283, "step_mib": 1864},
     {"config": "ulysses_attn P=2 +mem", "seq": 8192, "vocab": 32000, "absolute_mib": 878, "step_mib": 458},
     {"config": "dist_flash_attn P=2", "seq": 8192, "vocab": 32000, "absolute_mib": 2268, "step_mib": 1847},
     {"config": "dist_flash_attn P=2 +mem", "seq": 8192, "vocab": 32000, "absolute_mib": 894, "step_mib": 474},
-    # python scripts/bench_train.py --modes zigzag_ring_attn --seq-lengths 8192 --vocab 8000 --exact-memory
+    # python -m benchmarks.bench_train --modes zigzag_ring_attn --seq-lengths 8192 --vocab 8000 --exact-memory
     {"config": "hf-plain", "seq": 8192, "vocab": 8000, "absolute_mib": 1798, "step_mib": 1428},
     {"config": "zigzag_ring_attn P=2", "seq": 8192, "vocab": 8000, "absolute_mib": 1095, "step_mib": 722},
     {"config": "zigzag_ring_attn P=2 +mem", "seq": 8192, "vocab": 8000, "absolute_mib": 526, "step_mib": 153},
-    # python scripts/bench_train.py --modes ulysses_attn,dist_flash_attn --seq-lengths 32768 --exact-memory
+    # python -m benchmarks.bench_train --modes ulysses_attn,dist_flash_attn --seq-lengths 32768 --exact-memory
     #   --configs "ulysses_attn P=2 +mem,dist_flash_attn P=2 +mem"
     {"config": "ulysses_attn P=2 +mem", "seq": 32768, "vocab": 32000, "absolute_mib": 982, "step_mib": 562},
     {"config": "dist_flash_attn P=2 +mem", "seq": 32768, "vocab": 32000, "absolute_mib": 1047, "step_mib": 626},
-    # python scripts/bench_train.py --modes zigzag_ring_attn,ulysses_attn,dist_flash_attn --seq-lengths 16384
+    # python -m benchmarks.bench_train --modes zigzag_ring_attn,ulysses_attn,dist_flash_attn --seq-lengths 16384
     #   --vocab 1000 --exact-memory        (a small vocabulary: the layer activations dominate)
     {"config": "hf-plain", "seq": 16384, "vocab": 1000, "absolute_mib": 1877, "step_mib": 1521},
     {"config": "zigzag_ring_attn P=2", "seq": 16384, "vocab": 1000, "absolute_mib": 1129, "step_mib": 769},
@@ -56,7 +54,7 @@ MEASURED = [
 
 
 def bench_options(config: str):
-    """(Options, world) of a scripts/bench_train.py config name."""
+    """(Options, world) of a benchmarks/bench_train.py config name."""
     memory = config.endswith("+mem")
     if config == "hf-plain":
         return Options("data_parallel", 1, 1, zero="noopt"), 1
@@ -87,7 +85,7 @@ def measured_rows(extra_csvs):
 
 def table_measured(extra_csvs=None, vocab_of_csv=None):
     device = get_device("cpu")
-    print("### 1. Per-rank absolute peak, measured (scripts/bench_train.py, CPU, fp32) vs predicted\n")
+    print("### 1. Per-rank absolute peak, measured (benchmarks/bench_train.py, CPU, fp32) vs predicted\n")
     print("| config | S | vocab | measured MiB | predicted MiB | error | step: measured / predicted MiB | peak phase (predicted) | source |")
     print("|---|---|---|---|---|---|---|---|---|")
     errors = []
@@ -222,7 +220,7 @@ def table_calibration():
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", action="store_true", help="also count saved tensors with torch (table 0)")
-    parser.add_argument("--csv", action="append", default=None, help="more scripts/bench_train.py CSVs (table 1)")
+    parser.add_argument("--csv", action="append", default=None, help="more benchmarks/bench_train.py CSVs (table 1)")
     parser.add_argument("--csv-vocab", type=int, default=None, help="the --vocab those CSVs were measured with")
     args = parser.parse_args()
     if args.calibrate:

@@ -1,10 +1,10 @@
 """Continue a long prompt with the prompt's KV cache sharded over the ranks (easy_context.generate).
 
     # CPU, 2 processes, the model the README's train.py command saved (outputs/tiny-llama)
-    torchrun --standalone --nproc_per_node 2 scripts/generate.py --prompt_file PROMPT.txt
+    torchrun --standalone --nproc_per_node 2 -m tools.generate --prompt_file PROMPT.txt
 
     # 8 GPUs, a long-context model, sampling
-    torchrun --nproc_per_node 8 scripts/generate.py --model PATH --prompt_file BOOK.txt \
+    torchrun --nproc_per_node 8 -m tools.generate --model PATH --prompt_file BOOK.txt \
         --max_new_tokens 256 --do_sample --temperature 0.7 --top_p 0.9 --seed 1
 
 The prompt is prefilled in the mode's layout, each rank keeps its share of every layer's
@@ -32,7 +32,7 @@ from easy_context.versions import output_cache
 
 
 def fail(message: str):
-    launch_fail("scripts/generate.py", message)
+    launch_fail("tools/generate.py", message)
 
 
 def parse_args(argv=None):
@@ -134,7 +134,7 @@ def run(args, accelerator, stage: Stage):
 
 
 def main(argv=None):
-    return run_job("scripts/generate.py", run, parse_args(argv))
+    return run_job("tools/generate.py", run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 """What the attention features of newer architectures cost (issue 15): one attention layer,
 forward + backward, fp32, on CPU, in fresh processes per configuration.
 
-    python scripts/bench_features.py                        # S = 4096, 8192; ~4 minutes on 2 cores
-    python scripts/bench_features.py --seq-len 2048 --iters 1
+    python -m benchmarks.bench_features                        # S = 4096, 8192; ~4 minutes on 2 cores
+    python -m benchmarks.bench_features --seq-len 2048 --iters 1
 
 Rows, each at P = 1 (the layer alone, no process group: the kernels and the merge only) and
 P = 2 (zigzag_ring_attn over gloo, one thread per rank):
@@ -17,7 +17,7 @@ P = 2 (zigzag_ring_attn over gloo, one thread per rank):
             cpu_flash; its reference row is `dims-192`, equal head dims of 192
 
 Columns: median fwd+bwd seconds (slowest rank) and per-rank peak RSS growth (MiB) over the
-steps, as scripts/bench_attention.py measures them. glibc keeps freed memory (per thread), so
+steps, as benchmarks/bench_attention.py measures them. glibc keeps freed memory (per thread), so
 RSS overstates live tensors; --exact-memory runs the ranks with MALLOC_MMAP_THRESHOLD_=65536
 (freed tensors go back to the OS at once) for the memory columns, at some cost in time.
 """
@@ -25,18 +25,13 @@ RSS overstates live tensors; --exact-memory runs the ranks with MALLOC_MMAP_THRE
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import _reset_peak_rss, _rss_bytes  # noqa: E402
+from benchmarks.harness import (init_gloo, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn_ranks, table_header,
+                                use_exact_memory, write_result)
 
 FEATURES = {  # name -> (query/key head dim, value head dim, softcap, sinks)
     "plain": (64, 64, None, False),
@@ -47,9 +42,7 @@ FEATURES = {  # name -> (query/key head dim, value head dim, softcap, sinks)
 }
 
 
-def _rank(rank, world, rendezvous, spec, results):
-    import resource
-
+def _rank(rank, world, spec, workdir):
     import torch.distributed as dist
 
     from easy_context.hf.admission import equal_head_dims
@@ -61,8 +54,7 @@ def _rank(rank, world, rendezvous, spec, results):
     seq, heads, kv_heads = spec["seq"], 8, 2
     mode = get_mode("zigzag_ring_attn")
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=600))
+        init_gloo(rank, world, workdir)
     groups = get_groups(mode.topology(world))
     layout = mode.layout(groups.topology)
     g = torch.Generator().manual_seed(0)
@@ -80,8 +72,8 @@ def _rank(rank, world, rendezvous, spec, results):
         for x in (q, k, v):
             x.grad = None
 
-    _reset_peak_rss()
-    before = _rss_bytes()
+    reset_peak_rss()
+    before = rss_bytes()
     times = []
     for i in range(spec["iters"] + 1):  # one warm-up
         if world > 1:
@@ -93,26 +85,19 @@ def _rank(rank, world, rendezvous, spec, results):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i:
             times.append(float(elapsed))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    results[rank] = (statistics.median(times), peak / 2**20)
+    peak = peak_rss_bytes() - before
+    write_result(workdir, rank, [statistics.median(times), peak / 2**20])
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
 
 
 def measure(feature: str, seq: int, world: int, iters: int):
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as workdir, ctx.Manager() as manager:
-        results = manager.dict()
-        spec = {"feature": feature, "seq": seq, "iters": iters}
-        procs = [ctx.Process(target=_rank, args=(r, world, f"{workdir}/rdv", spec, results)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs) or len(results) != world:
-            return None
-        return max(results[r][0] for r in range(world)), max(results[r][1] for r in range(world))
+    """(median seconds of the slowest rank, the largest per-rank peak MiB), or None if a rank failed."""
+    values = spawn_ranks(_rank, {"feature": feature, "seq": seq, "iters": iters}, world)
+    if values is None:
+        return None
+    return max(v[0] for v in values), max(v[1] for v in values)
 
 
 def main():
@@ -122,14 +107,13 @@ def main():
     parser.add_argument("--iters", type=int, default=2, help="measured steps after one warm-up (default 2)")
     parser.add_argument("--exact-memory", action="store_true", help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks (see above)")
     args = parser.parse_args()
-    if args.exact_memory:  # read by glibc when each spawned rank starts
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    if args.exact_memory:
+        use_exact_memory()
     features = args.features.split(",")
     unknown = sorted(set(features) - set(FEATURES))
     if unknown:
         parser.error(f"unknown feature(s) {unknown}; choose from {list(FEATURES)}")
-    print("| feature | S | P=1 s | P=1 peak MiB | P=2 s | P=2 peak MiB/rank | P=1 time vs plain |")
-    print("|---|---|---|---|---|---|---|")
+    print(table_header(["feature", "S", "P=1 s", "P=1 peak MiB", "P=2 s", "P=2 peak MiB/rank", "P=1 time vs plain"]))
     for seq in (int(s) for s in args.seq_len.split(",")):
         plain = None
         for feature in features:

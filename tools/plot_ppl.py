@@ -1,6 +1,6 @@
 """Perplexity-vs-context-length curves from one or more eval_ppl.py CSV files.
 
-    python scripts/plot_ppl.py outputs/eval/ppl.csv other.csv --output outputs/eval/ppl_all.png
+    python -m tools.plot_ppl outputs/eval/ppl.csv other.csv --output outputs/eval/ppl_all.png
 
 Writes the PNG and a PDF next to it; models with the same name in several files are
 labelled with their file's name.
@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the package
-
-from easy_context.programs.plots import perplexity_curves, read_perplexity_csv  # noqa: E402
+from easy_context.programs.plots import perplexity_curves, read_perplexity_csv
 
 
 def main(argv=None):

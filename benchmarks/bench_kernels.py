@@ -1,7 +1,7 @@
 """One process, one attention layer, forward + backward: our kernel layer vs torch SDPA.
 
-    python scripts/bench_kernels.py                         # CUDA: bf16, S = 8K..64K
-    python scripts/bench_kernels.py --device cpu --seq-len 1024,2048 --dtype fp32
+    python -m benchmarks.bench_kernels                         # CUDA: bf16, S = 8K..64K
+    python -m benchmarks.bench_kernels --device cpu --seq-len 1024,2048 --dtype fp32
 
 Rows per sequence length (causal, B=1, --heads x --head-dim with --kv-heads KV heads):
   sdpa            torch.nn.functional.scaled_dot_product_attention (on CUDA restricted to the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -32,10 +31,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from easy_context import kernels  # noqa: E402
-from easy_context.modes import get_mode  # noqa: E402
-from easy_context.core.groups import get_groups  # noqa: E402
+from benchmarks.harness import write_json
+from easy_context.core import kernels
+from easy_context.core.groups import get_groups
+from easy_context.modes import get_mode
 
 MATH_MAX_CUDA = 16384  # the math backend is the fallback, not a contender: timed up to here
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -206,8 +205,7 @@ def main(argv=None) -> int:
                       f"{row['peak_mib']:.0f} | {row['max_err']:.1e} |", flush=True)
         del q, k, v
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": where, "torch": torch.__version__, "dtype": str(dtype), "rows": rows}, f, indent=1)
+        write_json(args.json, {"device": where, "torch": torch.__version__, "dtype": str(dtype), "rows": rows})
     failed = [r for r in rows if "error" in r and not r["error"].startswith(("not installed", "skipped"))]
     return 1 if failed else 0
 

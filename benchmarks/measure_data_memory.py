@@ -6,8 +6,8 @@ tiny Llama, zigzag ring), and prints each rank's peak resident memory as train.p
 it (`peak_rss_mib_per_rank` in train_summary.json). Rows are read lazily from the memory-mapped Arrow
 files, so the two runs should match.
 
-    python scripts/measure_data_memory.py                      # 2 GB vs 100 MB, about 5 minutes
-    python scripts/measure_data_memory.py --large-gb 0.5 --steps 2
+    python -m benchmarks.measure_data_memory                      # 2 GB vs 100 MB, about 5 minutes
+    python -m benchmarks.measure_data_memory --large-gb 0.5 --steps 2
 """
 
 from __future__ import annotations

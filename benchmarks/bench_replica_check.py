@@ -1,6 +1,6 @@
 """What the replica guard costs (easy_context/hf/replicas.py): per check, and per training step.
 
-    torchrun --standalone --nproc_per_node 2 scripts/bench_replica_check.py
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_replica_check
 
 Trains the tiny Llama of configs/ (zigzag_ring_attn, 2 gloo ranks, DDP) for a few steps at
 each sequence length with the guard off, on at its default (every CHECK_EVERY forwards,
