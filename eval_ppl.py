@@ -17,7 +17,7 @@ scored once per L, with up to L tokens of context. Perplexity at L = exp(sum of 
 log-likelihoods / number of scored tokens) over all samples: tokens weigh equally, windows
 and samples do not. Lengths the parallel layout cannot split are padded and masked.
 Writes --output-file (CSV: header model,<L>...; one row per model) and a .png/.pdf plot
-next to it (scripts/plot_ppl.py redraws or merges CSVs).
+next to it (tools/plot_ppl.py redraws or merges CSVs).
 """
 
 from __future__ import annotations

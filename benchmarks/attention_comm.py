@@ -3,79 +3,34 @@ torch.distributed's collectives (CommCounter)."""
 
 from __future__ import annotations
 
-import math
-
 from benchmarks.attention_config import BASELINE, DEEPSPEED, DTYPE_BYTES
 
 
 def analytic_comm_bytes(config, S, P, B, Hq, Hkv, D, dtype):
-    """Bytes one rank sends per fwd+bwd, from the algorithm (None when not derived).
+    """Bytes one rank (the busiest) sends per fwd+bwd, from the algorithm; None when not derived.
 
-    ring (zigzag_ring_attn, and the ring part of usp_attn):
-        forward   K and V shards rotate P-1 times                 2 (P-1) kv
-        backward  K and V rotate P-1 times again                  2 (P-1) kv
-                  dK/dV accumulators (fp32) go straight back      2 (P-1) kv_acc
-                  to their owner, once per borrowed K/V block
-        (causal, unmasked: every step is needed; masks skip steps and transfers)
-    Ulysses (ulysses_attn, usp_attn's Ulysses part, deepspeed_ulysses):
-        forward   all-to-all of q, k, v and the output            4 x (P-1)/P of each
-        backward  all-to-all of dout, dq, dk, dv                  4 x (P-1)/P of each
-        K/V heads are replicated first when Hkv does not split over P.
-    deepspeed_ulysses also all-gathers position_ids (int64) once per forward.
+    Our modes declare their own traffic (SeqParallelMode.traffic, easy_context/modes/costs.py:
+    the ring's K/V rotation and dK/dV sent back, the Ulysses all-to-alls, dist_flash's
+    balanced schedule), run at their default split (usp_attn: ring_degree 1), causal.
+    deepspeed_ulysses (a peer): all-to-alls of q, k, v, out and their gradients, K/V heads
+    replicated by P // Hkv when P > Hkv, and position_ids (int64) all-gathered once per forward.
     """
     if config == BASELINE or P == 1:
         return 0
     e = DTYPE_BYTES[dtype]
-    acc = max(e, 4)  # accumulation dtype: promote(dtype, fp32)
-    S_l = S // P
-    q_elems = B * Hq * S_l * D
-
-    def ulysses(U):
-        rep = math.lcm(Hkv, U) // Hkv
-        kv_elems = B * Hkv * rep * S_l * D
-        frac = (U - 1) / U
-        return 2 * frac * (q_elems + 2 * kv_elems + q_elems) * e, rep
-
-    def ring(R, kv_elems):
-        if R == 1:
-            return 0
-        return 2 * (R - 1) * kv_elems * e * 2 + 2 * (R - 1) * kv_elems * acc
-
-    if config == "zigzag_ring_attn":
-        return ring(P, B * Hkv * S_l * D)
-    if config in ("ulysses_attn", "usp_attn"):  # usp_attn is run with its default ring_degree=1
-        return ulysses(P)[0]
     if config == DEEPSPEED:
-        rep = max(1, P // Hkv)  # DeepSpeed replicates K/V heads by P // Hkv when P > Hkv
-        kv_elems = B * Hkv * rep * S_l * D
-        frac = (P - 1) / P
-        return 2 * frac * (2 * q_elems + 2 * kv_elems) * e + (P - 1) * B * S_l * 8
-    return None
+        S_l = S // P
+        rep = max(1, P // Hkv)
+        q_elems, kv_elems = B * Hq * S_l * D, B * Hkv * rep * S_l * D
+        return 2 * (P - 1) / P * (2 * q_elems + 2 * kv_elems) * e + (P - 1) * B * S_l * 8
+    from easy_context.modes import BUILT_MODES, get_mode  # imports torch: the driver process stays without it
+    from easy_context.modes.costs import AttentionShape
 
-
-def dist_flash_comm_bytes(rounds, S, P, B, Hq, Hkv, D, dtype):
-    """Bytes per rank (the busiest) per fwd+bwd for dist_flash_attn, walking its schedule.
-
-    Every round t >= 1, for each unit whose worker is not the owner of its queries or K/V:
-        forward   q-owner -> worker: its query rows;  kv-owner -> worker: K and V
-                  worker -> q-owner: partial out rows + their lse (fp32)
-        backward  q-owner -> worker: q, dout, out rows + lse;  kv-owner -> worker: K and V
-                  worker -> q-owner: dq rows (fp32);  worker -> kv-owner: dK and dV (fp32)
-    """
-    e, acc = DTYPE_BYTES[dtype], max(DTYPE_BYTES[dtype], 4)
-    S_l = S // P
-    sent = [0] * P
-    for units in rounds[1:]:
-        for u in units:
-            rows = len(range(S_l)[u.rows(S_l)])
-            q_rows, lse_rows, kv = B * Hq * rows * D, B * Hq * rows, B * Hkv * S_l * D
-            if u.q_owner != u.worker:
-                sent[u.q_owner] += q_rows * e + (3 * q_rows * e + lse_rows * 4)
-                sent[u.worker] += q_rows * e + lse_rows * 4 + q_rows * acc
-            if u.kv_owner != u.worker:
-                sent[u.kv_owner] += 2 * kv * e * 2
-                sent[u.worker] += 2 * kv * acc
-    return max(sent)
+    if config not in BUILT_MODES:
+        return None
+    mode = get_mode(config)
+    topology = mode.topology(P)
+    return mode.traffic(AttentionShape(Hq, Hkv, D, e, topology.sp_size, topology.ring_degree, S, B)).total
 
 
 class CommCounter:

@@ -5,7 +5,6 @@ imports this module for `worker`; see benchmarks.harness)."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -13,7 +12,7 @@ import time
 import traceback
 
 from benchmarks import bench_peers
-from benchmarks.attention_comm import CommCounter, dist_flash_comm_bytes
+from benchmarks.attention_comm import CommCounter
 from benchmarks.attention_config import BASELINE, CPU_CORES, DEEPSPEED, import_easy_context_modes
 from benchmarks.attention_masks import CAUSAL, dense_reference_mask, sequence_mask
 from benchmarks.harness import MiB, cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -125,20 +124,7 @@ def build_attention(torch, F, spec, dist, rank, world, scale, peer):
     def shard(x):
         return layout.shard(x, groups.sp_rank, dim=2)
 
-    return attend, shard, None, dist_flash_analytic(spec, world)
-
-
-def dist_flash_analytic(spec, world):
-    """dist_flash_attn's analytic traffic (it depends on its schedule); None for other modes,
-    for masks, and when the schedule API changed."""
-    if spec["config"] != "dist_flash_attn" or spec["mask"] != CAUSAL:
-        return None
-    try:
-        schedule = importlib.import_module("easy_context.modes.dist_flash_schedule")
-        return dist_flash_comm_bytes(schedule.balanced_schedule(world), spec["S"], world, spec["B"], spec["Hq"],
-                                     spec["Hkv"], spec["D"], spec["dtype"])
-    except Exception:
-        return None
+    return attend, shard, None, None
 
 
 def rank_inputs(torch, spec, shard, to_out, keep_globals):

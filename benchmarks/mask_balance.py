@@ -19,7 +19,7 @@ import torch
 
 from easy_context.core.balance import split_documents
 from easy_context.modes.dist_flash_attn import split_rows
-from easy_context.modes.dist_flash_schedule import balanced_schedule
+from easy_context.modes.dist_flash_attn import balanced_schedule
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
 

@@ -28,7 +28,6 @@ MOVED = {
     "zigzag_ring_attn": "modes.zigzag_ring_attn",
     "dist_flash_attn": "modes.dist_flash_attn",
     "dist_flash_attn.schedule": "modes.dist_flash_attn",
-    "modes.dist_flash_schedule": "modes.dist_flash_attn",
     "ulysses_attn": "modes.ulysses_attn",
     "usp_attn": "modes.usp_attn",
     "data_parallel": "modes.data_parallel",

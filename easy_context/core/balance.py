@@ -4,7 +4,7 @@ The static layouts balance ONE causal row: zigzag and dist_flash's schedule give
 the same share of a cost that rises along the row. A packed row of long-tailed documents
 breaks that: a token's cost is its offset in its own document + 1, so long documents are
 ramps of rising cost and whole ramps land on some ranks (max/min work 3-18x at S=16K,
-scripts/mask_balance.py). Cutting every document over the ring the way the mode cuts one
+benchmarks/mask_balance.py). Cutting every document over the ring the way the mode cuts one
 causal row gives every rank its share of every document, whatever the lengths.
 """
 

@@ -178,7 +178,7 @@ def _transformed(linear, transform, config, hidden):
 
 def markdown_tables() -> str:
     """The README's model-type tables (tests/unit/test_architectures.py checks the README has them;
-    scripts/model_types_table.py prints them)."""
+    tools/model_types_table.py prints them)."""
     lines = ["| model type | what it adds to Llama's architecture |", "|---|---|"]
     lines += [f"| `{name}` | {', '.join(features) or 'nothing'} |" for name, features in SUPPORTED.items()]
     lines += ["", "| refused model type | why |", "|---|---|"]

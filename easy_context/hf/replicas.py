@@ -14,7 +14,7 @@ step (a relative 1e-7 in fp32; fine-tuning at lr 1e-5 drifts far more in one ste
 it. One all-gather of one number per rank compares the sums, and every rank raises the same
 error if they differ. It runs at forwards 1, 2, 4, 8, ... and every CHECK_EVERY-th forward (the first
 check also catches unseeded, different initial weights). That is one small collective
-every CHECK_EVERY forwards: 0.1-0.3% of a step (see scripts/bench_replica_check.py).
+every CHECK_EVERY forwards: 0.1-0.3% of a step (see benchmarks/bench_replica_check.py).
 Parameters sharded across ranks (ZeRO-3, DTensor) are skipped: each rank holds a
 different piece of them by design, and their owner keeps them consistent.
 """
