@@ -31,11 +31,18 @@ import numpy as np
 import torch
 
 import easy_context as ec
+from easy_context.modes import get_mode
 from easy_context.programs.data import embedded_prose
 from easy_context.programs.evaluation import load_scorer, resolve_model
-from easy_context.programs.launch import Stage, add_dist_timeout_flag, add_parallel_mode_flags, ring_degree_error, run_job, run_main
+from easy_context.programs.launch import (
+    Stage,
+    add_dist_timeout_flag,
+    add_parallel_mode_flags,
+    ring_degree_error,
+    run_job,
+    run_main,
+)
 from easy_context.programs.launch import fail as launch_fail
-from easy_context.modes import get_mode
 from easy_context.programs.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
 from easy_context.programs.plots import needle_heatmap
 
@@ -56,15 +63,32 @@ def parse_args(argv=None):
     flag("max_context_length", type=int, default=4096)
     flag("min_context_length", type=int, default=1024)
     flag("context_interval", type=int, default=1024, help="step between context lengths (tokens)")
-    flag("depth_interval", type=float, default=0.25, help="step between depths, as a fraction (0.1: 0%%, 10%%, ..., 100%%)")
+    flag(
+        "depth_interval",
+        type=float,
+        default=0.25,
+        help="step between depths, as a fraction (0.1: 0%%, 10%%, ..., 100%%)",
+    )
     flag("num_samples", type=int, default=2, help="prompts per (length, depth) cell, each with its own key and number")
     flag("rnd_number_digits", type=int, default=7)
     flag("num_distractor", type=int, default=0, help="other cities' magic numbers hidden in the haystack (needle task)")
-    flag("haystack_dir", default=None, help="folder of .txt files (default: the Python reference docs every Python has)")
+    flag(
+        "haystack_dir", default=None, help="folder of .txt files (default: the Python reference docs every Python has)"
+    )
     flag("rope_theta", type=float, default=None, help="override the model's RoPE base")
     add_parallel_mode_flags(p)
-    flag("sp_size", type=int, default=None, help="ranks sharing one prompt (default: all); other groups take other prompts")
-    flag("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
+    flag(
+        "sp_size",
+        type=int,
+        default=None,
+        help="ranks sharing one prompt (default: all); other groups take other prompts",
+    )
+    flag(
+        "dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bf16 on CUDA, fp32 on CPU",
+    )
     flag("generate", action="store_true", help="also answer in free form (greedy) and score the digits by exact match")
     flag("max_new_tokens", type=int, default=None, help="--generate: tokens to generate (default: 2 x digits + 4)")
     flag("output_dir", default="outputs/eval")
@@ -75,13 +99,18 @@ def parse_args(argv=None):
 
     errors = []
     if args.min_context_length < 1 or args.max_context_length < args.min_context_length:
-        errors.append(f"need 1 <= --min_context_length <= --max_context_length, got {args.min_context_length} and {args.max_context_length}")
+        errors.append(
+            "need 1 <= --min_context_length <= --max_context_length, "
+            f"got {args.min_context_length} and {args.max_context_length}"
+        )
     if args.context_interval < 1:
         errors.append(f"--context_interval must be >= 1, got {args.context_interval}")
     if not 0 < args.depth_interval <= 1:
         errors.append(f"--depth_interval must be in (0, 1], got {args.depth_interval}")
     if args.num_samples < 1 or args.rnd_number_digits < 1:
-        errors.append(f"--num_samples and --rnd_number_digits must be >= 1, got {args.num_samples} and {args.rnd_number_digits}")
+        errors.append(
+            f"--num_samples and --rnd_number_digits must be >= 1, got {args.num_samples} and {args.rnd_number_digits}"
+        )
     if not 0 <= args.num_distractor < len(CITIES):
         errors.append(f"--num_distractor must be between 0 and {len(CITIES) - 1}, got {args.num_distractor}")
     if args.task == "passkey" and args.num_distractor:
@@ -108,7 +137,9 @@ def haystack_text(args) -> str:
     if args.task == "passkey":
         return PASSKEY_FILLER
     if args.haystack_dir is not None:
-        return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(Path(args.haystack_dir).glob("*.txt")))
+        return "\n\n".join(
+            p.read_text(encoding="utf-8", errors="replace") for p in sorted(Path(args.haystack_dir).glob("*.txt"))
+        )
     return embedded_prose()
 
 
@@ -118,7 +149,7 @@ def make_prompt(args, tokenizer, haystack, length: int, depth: float, sample: in
     rng = random.Random(f"{args.seed}/{length}/{depth}/{sample}")
 
     def number() -> str:
-        return str(rng.randrange(10 ** (args.rnd_number_digits - 1), 10 ** args.rnd_number_digits))
+        return str(rng.randrange(10 ** (args.rnd_number_digits - 1), 10**args.rnd_number_digits))
 
     if args.task == "passkey":
         return build_prompt(tokenizer, haystack, PASSKEY, length, depth, key="", value=number())
@@ -130,7 +161,7 @@ def make_prompt(args, tokenizer, haystack, length: int, depth: float, sample: in
 def evaluate_prompt(scorer, tokenizer, prompt) -> dict:
     ids = torch.tensor(prompt.input_ids)
     targets = torch.full_like(ids, -100)
-    targets[prompt.answer_start - 1:-1] = ids[prompt.answer_start:]  # predict each answer token
+    targets[prompt.answer_start - 1 : -1] = ids[prompt.answer_start :]  # predict each answer token
     scores = scorer.score(ids, targets)
     rows = scores.scored
     predicted = scores.predictions[rows]
@@ -146,12 +177,21 @@ def evaluate_prompt(scorer, tokenizer, prompt) -> dict:
 def generate_answer(args, scorer, tokenizer, prompt) -> dict:
     """The model's free-form answer to the prompt (without the answer), greedy; right when its
     first number is the hidden value, digit for digit."""
-    prompt_ids = torch.tensor(prompt.input_ids[:prompt.answer_start], device=scorer.device)[None]
+    prompt_ids = torch.tensor(prompt.input_ids[: prompt.answer_start], device=scorer.device)[None]
     budget = args.max_new_tokens or 2 * args.rnd_number_digits + 4
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    output = ec.generate(args.parallel_mode, scorer.model, prompt_ids, max_new_tokens=budget, do_sample=False,
-                         pad_token_id=pad, synced_gpus=scorer.lockstep, sp_size=args.sp_size, ring_degree=args.ring_degree)
-    text = tokenizer.decode(output[0, prompt_ids.shape[1]:].tolist(), skip_special_tokens=True)
+    output = ec.generate(
+        args.parallel_mode,
+        scorer.model,
+        prompt_ids,
+        max_new_tokens=budget,
+        do_sample=False,
+        pad_token_id=pad,
+        synced_gpus=scorer.lockstep,
+        sp_size=args.sp_size,
+        ring_degree=args.ring_degree,
+    )
+    text = tokenizer.decode(output[0, prompt_ids.shape[1] :].tolist(), skip_special_tokens=True)
     number = re.search(r"\d+", text)
     return {"generated": text, "generated_correct": number is not None and number.group() == prompt.value}
 
@@ -168,9 +208,16 @@ def run_sweep(args, accelerator, stage: Stage) -> list[dict]:
     try:
         get_mode(args.parallel_mode).topology(accelerator.num_processes, args.sp_size, args.ring_degree)
         source = resolve_model(args.model)
-        scorer, tokenizer = load_scorer(accelerator, source, args.parallel_mode, max_length=args.max_context_length,
-                                        sp_size=args.sp_size, ring_degree=args.ring_degree, rope_theta=args.rope_theta,
-                                        dtype=args.dtype)
+        scorer, tokenizer = load_scorer(
+            accelerator,
+            source,
+            args.parallel_mode,
+            max_length=args.max_context_length,
+            sp_size=args.sp_size,
+            ring_degree=args.ring_degree,
+            rope_theta=args.rope_theta,
+            dtype=args.dtype,
+        )
     except (ValueError, OSError) as error:
         fail(str(error))
     try:
@@ -181,7 +228,9 @@ def run_sweep(args, accelerator, stage: Stage) -> list[dict]:
 
     cells = [(length, depth, sample) for length in lengths for depth in depths for sample in range(args.num_samples)]
     mine = scorer.my_items(cells)
-    bar = tqdm(total=len(mine), desc=f"{args.task} sweep", disable=args.hide_progress or not accelerator.is_local_main_process)
+    bar = tqdm(
+        total=len(mine), desc=f"{args.task} sweep", disable=args.hide_progress or not accelerator.is_local_main_process
+    )
     results = []
     for index, (length, depth, sample) in mine:
         stage.at(f"scoring a {length}-token prompt at depth {depth}")
@@ -190,12 +239,24 @@ def run_sweep(args, accelerator, stage: Stage) -> list[dict]:
         if args.generate:
             stage.at(f"generating an answer to a {length}-token prompt at depth {depth}")
             outcome.update(generate_answer(args, scorer, tokenizer, prompt))
-        results.append((index, {
-            "context_length": length, "depth": depth, "sample": sample, "tokens": len(prompt.input_ids),
-            "needle_position": prompt.needle_position, "requested_position": prompt.requested_position,
-            "actual_depth": round(prompt.actual_depth, 4), "key": prompt.key, "value": prompt.value,
-            "distractors": len(prompt.distractors), **outcome,
-        }))
+        results.append(
+            (
+                index,
+                {
+                    "context_length": length,
+                    "depth": depth,
+                    "sample": sample,
+                    "tokens": len(prompt.input_ids),
+                    "needle_position": prompt.needle_position,
+                    "requested_position": prompt.requested_position,
+                    "actual_depth": round(prompt.actual_depth, 4),
+                    "key": prompt.key,
+                    "value": prompt.value,
+                    "distractors": len(prompt.distractors),
+                    **outcome,
+                },
+            )
+        )
         bar.update(1)
         bar.set_postfix(length=length, depth=depth, correct=outcome["correct"])
     bar.close()
@@ -217,9 +278,15 @@ def write_outputs(args, source: str, lengths, depths, records) -> None:
         writer.writerows(records)
     accuracy = cell_accuracy(records, lengths, depths, "correct")
     overall = float(np.mean([r["correct"] for r in records]))
-    summary = {"model": source, "task": args.task, "parallel_mode": args.parallel_mode, "overall_accuracy": overall,
-               "accuracy": {f"{length}/{depth}": a for (length, depth), a in accuracy.items()},
-               "args": vars(args), "samples": records}
+    summary = {
+        "model": source,
+        "task": args.task,
+        "parallel_mode": args.parallel_mode,
+        "overall_accuracy": overall,
+        "accuracy": {f"{length}/{depth}": a for (length, depth), a in accuracy.items()},
+        "args": vars(args),
+        "samples": records,
+    }
     if args.generate:
         generated = cell_accuracy(records, lengths, depths, "generated_correct")
         summary["generate_overall_accuracy"] = float(np.mean([r["generated_correct"] for r in records]))
@@ -236,8 +303,13 @@ def write_outputs(args, source: str, lengths, depths, records) -> None:
 
 
 def cell_accuracy(records, lengths, depths, field: str) -> dict:
-    return {(length, depth): float(np.mean([r[field] for r in records if r["context_length"] == length and r["depth"] == depth]))
-            for length in lengths for depth in depths}
+    return {
+        (length, depth): float(
+            np.mean([r[field] for r in records if r["context_length"] == length and r["depth"] == depth])
+        )
+        for length in lengths
+        for depth in depths
+    }
 
 
 def print_table(title: str, accuracy: dict, lengths, depths, prompts: int) -> None:

@@ -33,11 +33,18 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
+from easy_context.modes import get_mode
 from easy_context.programs.data import load_any_dataset, stdlib_heldout_documents
 from easy_context.programs.evaluation import load_scorer, resolve_model
-from easy_context.programs.launch import Stage, add_dist_timeout_flag, add_parallel_mode_flags, ring_degree_error, run_job, run_main
+from easy_context.programs.launch import (
+    Stage,
+    add_dist_timeout_flag,
+    add_parallel_mode_flags,
+    ring_degree_error,
+    run_job,
+    run_main,
+)
 from easy_context.programs.launch import fail as launch_fail
-from easy_context.modes import get_mode
 from easy_context.programs.plots import perplexity_curves
 
 
@@ -48,27 +55,70 @@ def fail(message: str):
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-m", "--model", action="append", nargs="+", default=None,
-                   help="hub names or local folders, repeatable (default: outputs/tiny-llama, what train.py saves)")
-    p.add_argument("-d", "--dataset", default=None, help="raw text dataset: hub name, save_to_disk folder, .json/.jsonl/.parquet/.txt")
+    p.add_argument(
+        "-m",
+        "--model",
+        action="append",
+        nargs="+",
+        default=None,
+        help="hub names or local folders, repeatable (default: outputs/tiny-llama, what train.py saves)",
+    )
+    p.add_argument(
+        "-d",
+        "--dataset",
+        default=None,
+        help="raw text dataset: hub name, save_to_disk folder, .json/.jsonl/.parquet/.txt",
+    )
     p.add_argument("-s", "--subset", default=None, help="the dataset's configuration name (hub datasets)")
     p.add_argument("-f", "--feature", default="text", help="the text column of --dataset")
-    p.add_argument("--tokenized", default=None, help="pre-tokenized dataset with an input_ids column (instead of --dataset)")
+    p.add_argument(
+        "--tokenized", default=None, help="pre-tokenized dataset with an input_ids column (instead of --dataset)"
+    )
     p.add_argument("--split", default="test")
     p.add_argument("--samples", type=int, default=4, help="samples to evaluate (0: all)")
     p.add_argument("--min-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--tokens-step", type=int, default=None, help="step between lengths (default: powers of two from --min-tokens)")
-    p.add_argument("--sliding-window", type=int, default=256, help="stride of the sliding window (tokens; at most L - 1 so every token is scored)")
+    p.add_argument(
+        "--tokens-step", type=int, default=None, help="step between lengths (default: powers of two from --min-tokens)"
+    )
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=256,
+        help="stride of the sliding window (tokens; at most L - 1 so every token is scored)",
+    )
     p.add_argument("--truncate", action="store_true", help="score only the first L tokens of each sample")
-    p.add_argument("--dataset-min-tokens", type=int, default=None, help="drop samples shorter than this (default: --max-tokens)")
+    p.add_argument(
+        "--dataset-min-tokens", type=int, default=None, help="drop samples shorter than this (default: --max-tokens)"
+    )
     p.add_argument("--output-file", default="outputs/eval/ppl.csv")
-    p.add_argument("--aggressive-memory", action="store_true", help="smaller output-layer chunks; free cached GPU memory after each window")
+    p.add_argument(
+        "--aggressive-memory",
+        action="store_true",
+        help="smaller output-layer chunks; free cached GPU memory after each window",
+    )
     p.add_argument("--hide-progress", action="store_true")
     add_parallel_mode_flags(p)
-    p.add_argument("--sp-size", type=int, default=None, help="ranks sharing one window (default: all); other groups take other windows")
-    p.add_argument("--rope-theta", "--rope_theta", dest="rope_theta", type=float, default=None, help="override the models' RoPE base")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
+    p.add_argument(
+        "--sp-size",
+        type=int,
+        default=None,
+        help="ranks sharing one window (default: all); other groups take other windows",
+    )
+    p.add_argument(
+        "--rope-theta",
+        "--rope_theta",
+        dest="rope_theta",
+        type=float,
+        default=None,
+        help="override the models' RoPE base",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bf16 on CUDA, fp32 on CPU",
+    )
     add_dist_timeout_flag(p)
     args = p.parse_args(argv)
     args.model = [m for group in args.model for m in group] if args.model else [None]
@@ -113,7 +163,7 @@ def load_samples(args, tokenizer) -> list[torch.Tensor]:
         separator = tokenizer.eos_token or "\n\n"
         chars = 8 * row * (wanted or 16)  # plenty for any tokenizer (>= 1 char per token)
         ids = tokenizer(separator.join(stdlib_heldout_documents(chars)))["input_ids"]
-        rows = [torch.tensor(ids[i:i + row]) for i in range(0, len(ids) - row + 1, row)]
+        rows = [torch.tensor(ids[i : i + row]) for i in range(0, len(ids) - row + 1, row)]
         if not rows:
             raise ValueError(f"the embedded corpus is shorter than one sample of {row} tokens; lower --max-tokens")
         return rows[:wanted]
@@ -133,8 +183,10 @@ def load_samples(args, tokenizer) -> list[torch.Tensor]:
         if wanted and len(samples) == wanted:
             break
     if not samples:
-        raise ValueError(f"no sample of {source!r} has {args.dataset_min_tokens} tokens or more ({shorter} shorter); "
-                         "lower --dataset-min-tokens or --max-tokens")
+        raise ValueError(
+            f"no sample of {source!r} has {args.dataset_min_tokens} tokens or more ({shorter} shorter); "
+            "lower --dataset-min-tokens or --max-tokens"
+        )
     return samples
 
 
@@ -158,25 +210,43 @@ def window_nll(scorer, sample: torch.Tensor, begin: int, end: int, first: int) -
     """Sum of negative log-likelihoods of tokens first..end-1, predicted within sample[begin:end]."""
     ids = sample[begin:end]
     targets = torch.full_like(ids, -100)
-    targets[first - 1 - begin:-1] = ids[first - begin:]  # input position i predicts token i + 1
+    targets[first - 1 - begin : -1] = ids[first - begin :]  # input position i predicts token i + 1
     scores = scorer.score(ids, targets)
     return float(scores.nll.double().sum()), int(scores.scored.sum())
 
 
 # ------------------------------------------------------------------------------- main
-def evaluate_model(args, accelerator, source: str, lengths: list[int], bar_position: int) -> dict[int, tuple[float, int]]:
+def evaluate_model(
+    args, accelerator, source: str, lengths: list[int], bar_position: int
+) -> dict[int, tuple[float, int]]:
     from tqdm.auto import tqdm
 
-    scorer, tokenizer = load_scorer(accelerator, source, args.parallel_mode, max_length=max(lengths), sp_size=args.sp_size,
-                                    ring_degree=args.ring_degree, rope_theta=args.rope_theta, dtype=args.dtype,
-                                    chunk_size=1024 if args.aggressive_memory else 4096)
+    scorer, tokenizer = load_scorer(
+        accelerator,
+        source,
+        args.parallel_mode,
+        max_length=max(lengths),
+        sp_size=args.sp_size,
+        ring_degree=args.ring_degree,
+        rope_theta=args.rope_theta,
+        dtype=args.dtype,
+        chunk_size=1024 if args.aggressive_memory else 4096,
+    )
     samples = load_samples(args, tokenizer)
-    work = [(n, i, *span) for n in lengths for i, s in enumerate(samples)
-            for span in windows(len(s), n, args.sliding_window, args.truncate)]
+    work = [
+        (n, i, *span)
+        for n in lengths
+        for i, s in enumerate(samples)
+        for span in windows(len(s), n, args.sliding_window, args.truncate)
+    ]
     mine = scorer.my_items(work)
     name = Path(source.rstrip("/")).name
-    bar = tqdm(total=len(mine), desc=f"ppl {name}", position=bar_position,
-               disable=args.hide_progress or not accelerator.is_local_main_process)
+    bar = tqdm(
+        total=len(mine),
+        desc=f"ppl {name}",
+        position=bar_position,
+        disable=args.hide_progress or not accelerator.is_local_main_process,
+    )
     results = []
     for index, (n, i, begin, end, first) in mine:
         results.append((index, (n, *window_nll(scorer, samples[i], begin, end, first))))
@@ -225,11 +295,17 @@ def write_outputs(args, lengths, table) -> None:
         writer.writerow(["model", *lengths])
         for source, row in table.items():
             writer.writerow([source, *(f"{row[n][0]:.6g}" for n in lengths)])
-    details = {"args": vars(args), "perplexity": {s: {str(n): {"ppl": ppl, "tokens": count} for n, (ppl, count) in row.items()}
-                                                  for s, row in table.items()}}
+    details = {
+        "args": vars(args),
+        "perplexity": {
+            s: {str(n): {"ppl": ppl, "tokens": count} for n, (ppl, count) in row.items()} for s, row in table.items()
+        },
+    }
     out.with_suffix(".json").write_text(json.dumps(details, indent=1))
     curves = {Path(s.rstrip("/")).name: [row[n][0] for n in lengths] for s, row in table.items()}
-    perplexity_curves(lengths, curves, [out.with_suffix(".png"), out.with_suffix(".pdf")], title="perplexity vs context length")
+    perplexity_curves(
+        lengths, curves, [out.with_suffix(".png"), out.with_suffix(".pdf")], title="perplexity vs context length"
+    )
 
     print("\n| model | " + " | ".join(str(n) for n in lengths) + " |")
     print("|---" * (len(lengths) + 1) + "|")

@@ -30,16 +30,33 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
-from easy_context.programs.data import (BYTE_EOS_ID, StreamedRows, byte_tokenizer, document_positions, open_rows,
-                                        stdlib_token_stream, windows, with_retrieval_rows)
+from easy_context.hf.architectures import check_training_config
+from easy_context.modes import get_mode
 from easy_context.programs.checkpointing import CheckpointError, Checkpoints, resolve_resume
-from easy_context.programs.launch import (EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage, add_dist_timeout_flag,
-                                          add_parallel_mode_flags, injected_fault, ring_degree_error, run_job, run_main)
+from easy_context.programs.data import (
+    BYTE_EOS_ID,
+    StreamedRows,
+    byte_tokenizer,
+    document_positions,
+    open_rows,
+    stdlib_token_stream,
+    windows,
+    with_retrieval_rows,
+)
+from easy_context.programs.launch import (
+    EXIT_BAD_INPUT,
+    EXIT_NONFINITE_LOSS,
+    Stage,
+    add_dist_timeout_flag,
+    add_parallel_mode_flags,
+    injected_fault,
+    ring_degree_error,
+    run_job,
+    run_main,
+)
 from easy_context.programs.launch import fail as launch_fail
 from easy_context.programs.loss import CausalLMLoss, global_token_mean
-from easy_context.hf.architectures import check_training_config
 from easy_context.programs.models import check_config, load_config, load_pretrained
-from easy_context.modes import get_mode
 from easy_context.programs.tiled_mlp import tile_mlps
 from easy_context.versions import enable_activation_checkpointing
 
@@ -50,39 +67,103 @@ DEFAULT_RETRIEVAL_FRACTION = 0.5  # the embedded corpus: half the rows teach ret
 # ----------------------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="hub name or local path; default: the tiny Llama config in configs/ (random init)")
-    p.add_argument("--dataset", default=None, help="hub name, save_to_disk folder or .jsonl/.parquet/.txt file, with an input_ids column "
-                   "(rows >= --seq-length + 1 tokens) or a text column (tokenized and packed); default: the embedded corpus")
+    p.add_argument(
+        "--model", default=None, help="hub name or local path; default: the tiny Llama config in configs/ (random init)"
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="hub name, save_to_disk folder or .jsonl/.parquet/.txt file, with an input_ids column "
+        "(rows >= --seq-length + 1 tokens) or a text column (tokenized and packed); default: the embedded corpus",
+    )
     p.add_argument("--text-column", default="text", help="the text column of a --dataset without input_ids")
-    p.add_argument("--streaming", action="store_true", help="stream --dataset (read in order; each data-parallel group its own part)")
-    p.add_argument("--retrieval-fraction", type=float, default=None, help=f"embedded corpus only: share of rows rewritten as needle "
-                   f"retrieval documents in eval_needle.py's format (default {DEFAULT_RETRIEVAL_FRACTION})")
+    p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="stream --dataset (read in order; each data-parallel group its own part)",
+    )
+    p.add_argument(
+        "--retrieval-fraction",
+        type=float,
+        default=None,
+        help=f"embedded corpus only: share of rows rewritten as needle "
+        f"retrieval documents in eval_needle.py's format (default {DEFAULT_RETRIEVAL_FRACTION})",
+    )
     p.add_argument("--seq-length", type=int, default=2048, help="tokens per training sequence")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per sequence-parallel group")
     p.add_argument("--gradient-accumulate-every", type=int, default=1)
     p.add_argument("--max-train-steps", type=int, default=60, help="optimizer steps")
     p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 10%% of the steps), then linear decay to 0")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="linear warm-up steps (default: 10%% of the steps), then linear decay to 0",
+    )
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--rope-theta", type=float, default=None, help="override the model's RoPE base")
     add_parallel_mode_flags(p)
-    p.add_argument("--sp-size", type=int, default=None, help="ranks sharing one sequence (default: all); world = dp x sp")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in the backward")
-    p.add_argument("--offload-checkpoints", action="store_true", help="keep checkpointed layer inputs in host memory (with --activation-checkpointing)")
-    p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS", help="run MLPs over sequence tiles of this many tokens (0: off)")
-    p.add_argument("--document-masking", action="store_true", help="restart positions after each EOS: no token attends across a document")
-    p.add_argument("--balance-documents", action="store_true", help="with --document-masking: the same attention work on every rank (document_split: every document cut over the ring; ulysses_attn is balanced already); results unchanged")
+    p.add_argument(
+        "--sp-size", type=int, default=None, help="ranks sharing one sequence (default: all); world = dp x sp"
+    )
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute each decoder layer in the backward"
+    )
+    p.add_argument(
+        "--offload-checkpoints",
+        action="store_true",
+        help="keep checkpointed layer inputs in host memory (with --activation-checkpointing)",
+    )
+    p.add_argument(
+        "--tiled-mlp",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="run MLPs over sequence tiles of this many tokens (0: off)",
+    )
+    p.add_argument(
+        "--document-masking",
+        action="store_true",
+        help="restart positions after each EOS: no token attends across a document",
+    )
+    p.add_argument(
+        "--balance-documents",
+        action="store_true",
+        help="with --document-masking: the same attention work on every rank (document_split: every document "
+        "cut over the ring; ulysses_attn is balanced already); results unchanged",
+    )
     p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
     p.add_argument("--output-dir", default="outputs/tiny-llama")
-    p.add_argument("--checkpointing-steps", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
-    p.add_argument("--save-total-limit", type=int, default=None, metavar="N", help="keep the current checkpoint and the N-1 newest before it (default: all)")
-    p.add_argument("--skip-nonfinite-steps", type=int, default=0, metavar="K",
-                   help="skip up to K steps whose loss is inf/NaN, counted over the whole run (resumes included); "
-                        "default 0: stop at the first, after saving a checkpoint")
+    p.add_argument(
+        "--checkpointing-steps",
+        type=int,
+        default=0,
+        help="save a resumable checkpoint every N steps (0: only at the end)",
+    )
+    p.add_argument(
+        "--save-total-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the current checkpoint and the N-1 newest before it (default: all)",
+    )
+    p.add_argument(
+        "--skip-nonfinite-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="skip up to K steps whose loss is inf/NaN, counted over the whole run (resumes included); "
+        "default 0: stop at the first, after saving a checkpoint",
+    )
     p.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--wandb", default=None, metavar="PROJECT", help="log to Weights & Biases (project name)")
-    p.add_argument("--log-with", default="auto", choices=["auto", "none", "tensorboard", "wandb"], help="tracker (auto: tensorboard when installed)")
+    p.add_argument(
+        "--log-with",
+        default="auto",
+        choices=["auto", "none", "tensorboard", "wandb"],
+        help="tracker (auto: tensorboard when installed)",
+    )
     p.add_argument("--max-rows", type=int, default=None, help="use at most this many dataset rows")
     add_dist_timeout_flag(p)
     args = p.parse_args(argv)
@@ -98,7 +179,9 @@ def parse_args(argv=None):
     if args.offload_checkpoints and not args.activation_checkpointing:
         errors.append("--offload-checkpoints needs --activation-checkpointing")
     if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.max_train_steps:
-        errors.append(f"--warmup-steps must be between 0 and --max-train-steps ({args.max_train_steps}), got {args.warmup_steps}")
+        errors.append(
+            f"--warmup-steps must be between 0 and --max-train-steps ({args.max_train_steps}), got {args.warmup_steps}"
+        )
     if args.checkpointing_steps < 0:
         errors.append(f"--checkpointing-steps must be >= 0, got {args.checkpointing_steps}")
     if args.max_rows is not None and args.max_rows < 1:
@@ -114,7 +197,10 @@ def parse_args(argv=None):
     if args.streaming and args.dataset is None:
         errors.append("--streaming needs --dataset (the embedded corpus is built in memory)")
     if args.retrieval_fraction is not None and (args.dataset is not None or not 0 <= args.retrieval_fraction <= 1):
-        errors.append(f"--retrieval-fraction applies to the embedded corpus (no --dataset) and must be in [0, 1], got {args.retrieval_fraction}")
+        errors.append(
+            "--retrieval-fraction applies to the embedded corpus (no --dataset) and must be in [0, 1], "
+            f"got {args.retrieval_fraction}"
+        )
     if errors:
         p.error("; ".join(errors))
     if args.retrieval_fraction is None and args.dataset is None:
@@ -136,9 +222,15 @@ def main(argv=None):
     if tracker == "auto":
         import importlib.util
 
-        tracker = "tensorboard" if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX") else "none"
+        tracker = (
+            "tensorboard"
+            if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
+            else "none"
+        )
     return run_job(
-        "train.py", lambda args, accelerator, stage: train(args, accelerator, tracker, stage), args,
+        "train.py",
+        lambda args, accelerator, stage: train(args, accelerator, tracker, stage),
+        args,
         gradient_accumulation_steps=args.gradient_accumulate_every,
         log_with=None if tracker == "none" else tracker,
         project_dir=args.output_dir,
@@ -168,8 +260,10 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
             skipped += 1
             if skipped > args.skip_nonfinite_steps:
                 stop_on_nonfinite_loss(run, checkpoints, step, skipped - 1, *nonfinite)
-            accelerator.print(f"step {step + 1}: non-finite loss {nonfinite[0]}, step skipped "
-                              f"({skipped} of --skip-nonfinite-steps {args.skip_nonfinite_steps})")
+            accelerator.print(
+                f"step {step + 1}: non-finite loss {nonfinite[0]}, step skipped "
+                f"({skipped} of --skip-nonfinite-steps {args.skip_nonfinite_steps})"
+            )
         step += 1
         elapsed = time.perf_counter() - started
         if step_loss is not None:
@@ -230,8 +324,10 @@ def set_up_run(args, accelerator, stage: Stage) -> Run:
         # accelerate's DeepSpeed wrapper steps the engine inside backward at the accumulation
         # boundary, and the engine's gradients cannot be zeroed from here: a step cannot be
         # dropped once some of its micro-batches went backward. (Stopping needs neither.)
-        fail("--skip-nonfinite-steps is not supported under DeepSpeed; without it, training stops at a non-finite loss "
-             "after saving a checkpoint of the last good step")
+        fail(
+            "--skip-nonfinite-steps is not supported under DeepSpeed; without it, training stops at a non-finite loss "
+            "after saving a checkpoint of the last good step"
+        )
     # --balance-documents: every document is split over the ring (document_split); Ulysses alone is
     # balanced already.
     split = args.balance_documents and mode.document_split
@@ -248,8 +344,10 @@ def build_model(run: Run):
     deepspeed_bf16 = run.deepspeed is not None and accelerator.mixed_precision == "bf16"
     model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32, accelerator.device)
     if args.offload_checkpoints and accelerator.device.type == "cpu":
-        accelerator.print("--offload-checkpoints: the device is the CPU, so checkpointed layer inputs already live in host "
-                          "memory; nothing to offload")
+        accelerator.print(
+            "--offload-checkpoints: the device is the CPU, so checkpointed layer inputs already live in host "
+            "memory; nothing to offload"
+        )
     try:
         check_config(model.config, run.topology, args.seq_length, args.parallel_mode)
         check_training_config(model.config)
@@ -257,8 +355,13 @@ def build_model(run: Run):
         fail(str(error))
     if args.document_masking and tokenizer.eos_token_id is None:
         fail("--document-masking needs a tokenizer with an EOS token (documents are separated by EOS)")
-    ec.apply_seq_parallel_monkey_patch(args.parallel_mode, model, sp_size=args.sp_size, ring_degree=args.ring_degree,
-                                       document_split=run.document_split or None)
+    ec.apply_seq_parallel_monkey_patch(
+        args.parallel_mode,
+        model,
+        sp_size=args.sp_size,
+        ring_degree=args.ring_degree,
+        document_split=run.document_split or None,
+    )
     return CausalLMLoss(model, args.loss_chunk_size), tokenizer
 
 
@@ -298,7 +401,10 @@ def build_data(run: Run, tokenizer, vocab_size: int) -> ShardedBatches:
     with accelerator.main_process_first():
         rows = load_rows(args, micro_batches * args.batch_size * run.dp_size, tokenizer, run.dp_rank, run.dp_size)
     if not isinstance(rows, StreamedRows) and len(rows) < args.batch_size * run.dp_size:
-        fail(f"{len(rows)} rows of {args.seq_length + 1} tokens are fewer than one step needs ({args.batch_size * run.dp_size})")
+        fail(
+            f"{len(rows)} rows of {args.seq_length + 1} tokens are fewer than one step needs "
+            f"({args.batch_size * run.dp_size})"
+        )
     return ShardedBatches(run, rows, tokenizer.eos_token_id, vocab_size)
 
 
@@ -308,16 +414,26 @@ def load_rows(args, rows_needed: int, tokenizer, dp_rank: int, dp_size: int):
     length = args.seq_length + 1
     if args.dataset is None:
         if len(tokenizer) != BYTE_EOS_ID + 1 or tokenizer.eos_token_id != BYTE_EOS_ID:
-            fail(f"--model {args.model}: the embedded corpus is byte tokens, for the byte-level default model; "
-                 "with another tokenizer give --dataset (text is tokenized with the model's tokenizer)")
+            fail(
+                f"--model {args.model}: the embedded corpus is byte tokens, for the byte-level default model; "
+                "with another tokenizer give --dataset (text is tokenized with the model's tokenizer)"
+            )
         stream = stdlib_token_stream(max_tokens=rows_needed * length)
         rows = windows(stream, length, args.max_rows)
         if len(rows) == 0:
             fail(f"the embedded corpus is shorter than one sequence of {length} tokens")
         return with_retrieval_rows(rows, args.retrieval_fraction, args.seed)
     try:
-        return open_rows(args.dataset, length, tokenizer, text_column=args.text_column, max_rows=args.max_rows,
-                         streaming=args.streaming, dp_rank=dp_rank, dp_size=dp_size)
+        return open_rows(
+            args.dataset,
+            length,
+            tokenizer,
+            text_column=args.text_column,
+            max_rows=args.max_rows,
+            streaming=args.streaming,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
     except (ValueError, OSError) as error:
         fail(f"--dataset {args.dataset}: {error}")
 
@@ -336,9 +452,7 @@ def micro_batch(rows: torch.Tensor, index: int, batch_size: int, dp_rank: int, d
     epoch, within = divmod(index, per_epoch)
     order = epoch_order(len(rows), seed + epoch)
     start = (within * dp_size + dp_rank) * batch_size
-    return rows[order[start:start + batch_size]]
-
-
+    return rows[order[start : start + batch_size]]
 
 
 class ShardedBatches:
@@ -354,11 +468,15 @@ class ShardedBatches:
         batch = micro_batch(self.rows, index, args.batch_size, run.dp_rank, run.dp_size, args.seed)
         if batch.min() < 0 or batch.max() >= self.vocab_size:  # else an IndexError (CPU) or a device assert (CUDA)
             bad = batch.min().item() if batch.min() < 0 else batch.max().item()
-            fail(f"step {step}: the data holds token id {bad}, outside the model's vocabulary (0..{self.vocab_size - 1}); "
-                 "was --dataset tokenized with another tokenizer?")
+            fail(
+                f"step {step}: the data holds token id {bad}, "
+                f"outside the model's vocabulary (0..{self.vocab_size - 1}); "
+                "was --dataset tokenized with another tokenizer?"
+            )
         positions = document_positions(batch[:, :-1], self.eos_id) if args.document_masking else None
-        local = ec.prepare_seq_parallel_inputs(args.parallel_mode, batch[:, :-1], positions, batch[:, 1:], run.rank, run.world,
-                                               run.accelerator.device)
+        local = ec.prepare_seq_parallel_inputs(
+            args.parallel_mode, batch[:, :-1], positions, batch[:, 1:], run.rank, run.world, run.accelerator.device
+        )
         extra = {"seq_parallel_index": local["local_token_index"]} if run.document_split else {}
         return local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], extra
 
@@ -381,7 +499,9 @@ def build_optimizer(run: Run, trainable):
 
         # accelerate divides total_num_steps by the process count (it assumes every process
         # reads its own batches); our step count is global, so undo that.
-        scheduler = DummyScheduler(optimizer, total_num_steps=args.max_train_steps * run.world, warmup_num_steps=args.warmup_steps)
+        scheduler = DummyScheduler(
+            optimizer, total_num_steps=args.max_train_steps * run.world, warmup_num_steps=args.warmup_steps
+        )
     else:
         from transformers import get_linear_schedule_with_warmup
 
@@ -455,7 +575,9 @@ def forward_backward(run: Run, trainable, inputs, step: int, micro: int):
     return mean, loss_sum
 
 
-def stop_on_nonfinite_loss(run: Run, checkpoints: Checkpoints, step: int, skipped: int, global_mean: float, local_sum: float):
+def stop_on_nonfinite_loss(
+    run: Run, checkpoints: Checkpoints, step: int, skipped: int, global_mean: float, local_sum: float
+):
     """Every rank gets here together (the loss mean is all-reduced). Keep the work: the weights
     are still those after `step` good steps, so save them as a checkpoint, then stop."""
     accelerator = run.accelerator
@@ -463,11 +585,18 @@ def stop_on_nonfinite_loss(run: Run, checkpoints: Checkpoints, step: int, skippe
     sums = accelerator.gather(torch.tensor([local_sum], dtype=torch.float64, device=accelerator.device)).tolist()
     culprits = {rank: value for rank, value in enumerate(sums) if not math.isfinite(value)}
     saved = checkpoints.keep_last_good_step(step, skipped)
-    keep = (f"the weights of step {step} are in {saved}: resume it with --skip-nonfinite-steps {skipped + 1} to skip "
-            "this step, or lower --learning-rate" if step > 0 else "nothing was trained yet")
-    fail(f"step {step + 1}: non-finite loss on rank(s) {sorted(culprits)} (their loss sums: "
-         f"{[culprits[r] for r in sorted(culprits)]}; mean over all ranks {global_mean}); stopped before the optimizer "
-         f"step; {keep}", code=EXIT_NONFINITE_LOSS)
+    keep = (
+        f"the weights of step {step} are in {saved}: resume it with --skip-nonfinite-steps {skipped + 1} to skip "
+        "this step, or lower --learning-rate"
+        if step > 0
+        else "nothing was trained yet"
+    )
+    fail(
+        f"step {step + 1}: non-finite loss on rank(s) {sorted(culprits)} (their loss sums: "
+        f"{[culprits[r] for r in sorted(culprits)]}; mean over all ranks {global_mean}); stopped before the optimizer "
+        f"step; {keep}",
+        code=EXIT_NONFINITE_LOSS,
+    )
 
 
 # ------------------------------------------------------------------------------ logging
@@ -486,9 +615,13 @@ class TrainingLog:
             if not resumed:
                 self.path.unlink(missing_ok=True)  # a fresh run starts a fresh log
         if accelerator.is_main_process and tracker != "none":
-            accelerator.init_trackers(args.wandb or "easy-context", config={k: v for k, v in vars(args).items() if v is not None})
+            accelerator.init_trackers(
+                args.wandb or "easy-context", config={k: v for k, v in vars(args).items() if v is not None}
+            )
         self.tokens_per_step = args.seq_length * args.batch_size * args.gradient_accumulate_every * run.dp_size
-        self.bar = tqdm(total=args.max_train_steps, initial=first_step, disable=not accelerator.is_local_main_process, desc="train")
+        self.bar = tqdm(
+            total=args.max_train_steps, initial=first_step, disable=not accelerator.is_local_main_process, desc="train"
+        )
 
     def step(self, step: int, loss: float | None, lr: float, elapsed: float) -> None:
         """Step `step` took `elapsed` seconds; its loss is None when it was skipped."""
@@ -497,8 +630,12 @@ class TrainingLog:
         record = {"step": step, "lr": lr, "tokens_per_s": tokens_per_s}
         if loss is not None:
             record["loss"] = loss
-            self.bar.set_postfix(loss=f"{loss:.4f}", ppl=f"{math.exp(min(loss, 50)):.2f}", tok_s=f"{tokens_per_s:.0f}", lr=f"{lr:.2e}")
-            self.accelerator.log({"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens_per_s": tokens_per_s, "lr": lr}, step=step)
+            self.bar.set_postfix(
+                loss=f"{loss:.4f}", ppl=f"{math.exp(min(loss, 50)):.2f}", tok_s=f"{tokens_per_s:.0f}", lr=f"{lr:.2e}"
+            )
+            self.accelerator.log(
+                {"loss": loss, "ppl": math.exp(min(loss, 50)), "tokens_per_s": tokens_per_s, "lr": lr}, step=step
+            )
         else:
             record.update(loss=None, skipped=True)
         if self.accelerator.is_main_process:
@@ -517,10 +654,17 @@ def write_summary(run: Run, step: int, loss: float, skipped: int) -> None:
     accelerator = run.accelerator
     peak_rss = gather_object([peak_rss_mib()])
     device = accelerator.device
-    peak_gpu = gather_object([round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None])
+    peak_gpu = gather_object(
+        [round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None]
+    )
     if accelerator.is_main_process:
-        summary = {"steps": step, "final_loss": loss if math.isfinite(loss) else None, "skipped_steps": skipped,
-                   "peak_rss_mib_per_rank": peak_rss, "peak_cuda_allocated_mib_per_rank": peak_gpu}
+        summary = {
+            "steps": step,
+            "final_loss": loss if math.isfinite(loss) else None,
+            "skipped_steps": skipped,
+            "peak_rss_mib_per_rank": peak_rss,
+            "peak_cuda_allocated_mib_per_rank": peak_gpu,
+        }
         (Path(run.args.output_dir) / "train_summary.json").write_text(json.dumps(summary, indent=1))
 
 

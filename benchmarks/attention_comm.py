@@ -55,7 +55,9 @@ class CommCounter:
                         counter.bytes += op.tensor.numel() * op.tensor.element_size()
             return orig_batch(ops)
 
-        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        def all_to_all_single(
+            output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+        ):
             if counter.enabled:
                 size = dist.get_world_size(group)
                 me = dist.get_rank(group)
@@ -66,8 +68,14 @@ class CommCounter:
                 else:
                     kept = total // size
                 counter.bytes += total - kept
-            return orig_a2a(output, input, output_split_sizes=output_split_sizes,
-                            input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+            return orig_a2a(
+                output,
+                input,
+                output_split_sizes=output_split_sizes,
+                input_split_sizes=input_split_sizes,
+                group=group,
+                async_op=async_op,
+            )
 
         def all_gather(tensor_list, tensor, group=None, async_op=False):
             if counter.enabled:

@@ -82,8 +82,9 @@ def summarize(ranks, errors, index, specs, world, timeout, others, window):
     if index in errors:
         return {"error": errors[index]}
     if len(ranks) < world:
-        why = errors.get(-1) or (f"not run: {specs[min(errors)]['config']} failed before it" if errors
-                                 else f"timed out after {timeout} s")
+        why = errors.get(-1) or (
+            f"not run: {specs[min(errors)]['config']} failed before it" if errors else f"timed out after {timeout} s"
+        )
         return {"error": why}
     times = ranks[0]["times"]  # already the max over ranks, on every rank
     return {

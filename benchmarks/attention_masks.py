@@ -9,8 +9,10 @@ import random
 from benchmarks.attention_config import import_easy_context_modes
 
 CAUSAL = "causal"
-MASK_HELP = ("causal, packed-<n> (S/n documents of n tokens), long-tail (log-normal document lengths), "
-             "window-<n> (one document, sliding window n); n may end in k (x1024), e.g. packed-1k")
+MASK_HELP = (
+    "causal, packed-<n> (S/n documents of n tokens), long-tail (log-normal document lengths), "
+    "window-<n> (one document, sliding window n); n may end in k (x1024), e.g. packed-1k"
+)
 
 
 def parse_mask(name: str):

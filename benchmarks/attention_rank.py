@@ -102,9 +102,11 @@ def build_attention(torch, F, spec, dist, rank, world, scale, peer):
     configuration; to_out turns a tensor in the shard layout into the layout attend returns."""
     config, S, B = spec["config"], spec["S"], spec["B"]
     if config == BASELINE:
+
         def attend(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                  enable_gqa=spec["Hkv"] != spec["Hq"])
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=spec["Hkv"] != spec["Hq"]
+            )
 
         return attend, (lambda x: x), None, None
     if config == DEEPSPEED or peer:
@@ -135,8 +137,10 @@ def rank_inputs(torch, spec, shard, to_out, keep_globals):
     dtype = getattr(torch, DTYPES[spec["dtype"]])
     B, Hq, Hkv, S, D = spec["B"], spec["Hq"], spec["Hkv"], spec["S"], spec["D"]
     g = torch.Generator().manual_seed(spec["seed"])
-    inputs = [torch.randn(shape, generator=g).to(dtype) for shape in ((B, Hq, S, D), (B, Hkv, S, D), (B, Hkv, S, D),
-                                                                      (B, Hq, S, D))]
+    inputs = [
+        torch.randn(shape, generator=g).to(dtype)
+        for shape in ((B, Hq, S, D), (B, Hkv, S, D), (B, Hkv, S, D), (B, Hq, S, D))
+    ]
     q, k, v, dout = (shard(x).contiguous() for x in inputs)
     if to_out is not None:  # the layout the attention returns
         dout = to_out(dout)
@@ -158,7 +162,7 @@ def make_step(attend, tensors, peer):
             if not peer:
                 raise
             why = first_line(exc)
-            why = why[:why.index(". ") + 1] if ". " in why[:200] else why[:200]  # torch's dispatcher lists
+            why = why[: why.index(". ") + 1] if ". " in why[:200] else why[:200]  # torch's dispatcher lists
             raise PeerFailure(f"{phase} fails: {type(exc).__name__}: {why}") from exc
         return out
 
@@ -217,10 +221,12 @@ def check_against_sdpa(torch, F, spec, scale, step, tensors, inputs, shard, to_o
     out = step()
     ref, ref_dq, ref_dk, ref_dv = reference(torch, F, spec, scale, inputs, dist, rank)
     ref = to_out(shard(ref)) if to_out is not None else shard(ref)
-    errors = {"out": (out.detach() - ref).abs().max().item(),
-              "dq": (q.grad - shard(ref_dq)).abs().max().item(),
-              "dk": (k.grad - shard(ref_dk)).abs().max().item(),
-              "dv": (v.grad - shard(ref_dv)).abs().max().item()}
+    errors = {
+        "out": (out.detach() - ref).abs().max().item(),
+        "dq": (q.grad - shard(ref_dq)).abs().max().item(),
+        "dk": (k.grad - shard(ref_dk)).abs().max().item(),
+        "dv": (v.grad - shard(ref_dv)).abs().max().item(),
+    }
     if dist is not None:
         errors = dict(zip(errors, max_over_ranks(torch, dist, list(errors.values()))))
     config, dtype = spec["config"], spec["dtype"]

@@ -18,10 +18,27 @@ def make_row(spec, P, res, base_time, args):
     analytic = analytic_comm_bytes(config, S, P, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
     if spec.get("mask", CAUSAL) != CAUSAL:  # the formulas are the causal algorithm's; masks skip transfers
         analytic = None
-    row = dict(config=config, S=S, P=P, threads_per_rank=threads, time_s=None, speedup=None, efficiency=None,
-               peak_mib_per_rank="", peak_mib_max=None, peak_mib_measured_steps_per_rank="",
-               comm_mib_analytic=None if analytic is None else analytic / MiB, comm_mib_counted=None,
-               others_cpu_s=None, times="", notes="", err_out=None, err_dq=None, err_dk=None, err_dv=None)
+    row = dict(
+        config=config,
+        S=S,
+        P=P,
+        threads_per_rank=threads,
+        time_s=None,
+        speedup=None,
+        efficiency=None,
+        peak_mib_per_rank="",
+        peak_mib_max=None,
+        peak_mib_measured_steps_per_rank="",
+        comm_mib_analytic=None if analytic is None else analytic / MiB,
+        comm_mib_counted=None,
+        others_cpu_s=None,
+        times="",
+        notes="",
+        err_out=None,
+        err_dq=None,
+        err_dk=None,
+        err_dv=None,
+    )
     if "error" in res:
         row["notes"] = res["error"].replace("|", "/")
         row["comm_mib_analytic"] = None
@@ -41,8 +58,10 @@ def make_row(spec, P, res, base_time, args):
         notes.append("high-water mark not reset")
     row["others_cpu_s"] = round(res["others_cpu_s"], 1)
     if is_busy(res):
-        notes.append(f"BUSY MACHINE: other processes used {res['others_cpu_s']:.0f} CPU-s of "
-                     f"{CPU_CORES * res['window_s']:.0f}; time inflated")
+        notes.append(
+            f"BUSY MACHINE: other processes used {res['others_cpu_s']:.0f} CPU-s of "
+            f"{CPU_CORES * res['window_s']:.0f}; time inflated"
+        )
     row["notes"] = "; ".join(notes)
     if base_time:
         row["speedup"] = base_time / res["time"]
@@ -57,28 +76,62 @@ def num(x, fmt):
 
 
 def format_table(rows):
-    header = ["config", "S", "P", "time (s)", "speed-up", "efficiency", "peak MiB/rank",
-              "comm MiB/rank (analytic)", "comm MiB/rank (counted)", "mask", "allowed ratio", "notes"]
+    header = [
+        "config",
+        "S",
+        "P",
+        "time (s)",
+        "speed-up",
+        "efficiency",
+        "peak MiB/rank",
+        "comm MiB/rank (analytic)",
+        "comm MiB/rank (counted)",
+        "mask",
+        "allowed ratio",
+        "notes",
+    ]
     lines = [table_header(header)]
     for r in rows:
-        lines.append(table_row([
-            r["config"], str(r["S"]), str(r["P"]), num(r["time_s"], ".3f"), num(r["speedup"], ".2f"),
-            num(r["efficiency"], ".2f"), r["peak_mib_per_rank"], num(r["comm_mib_analytic"], ".1f"),
-            num(r["comm_mib_counted"], ".1f"), r.get("mask") or CAUSAL, num(r.get("allowed_ratio"), ".3f"),
-            r["notes"],
-        ]))
+        lines.append(
+            table_row(
+                [
+                    r["config"],
+                    str(r["S"]),
+                    str(r["P"]),
+                    num(r["time_s"], ".3f"),
+                    num(r["speedup"], ".2f"),
+                    num(r["efficiency"], ".2f"),
+                    r["peak_mib_per_rank"],
+                    num(r["comm_mib_analytic"], ".1f"),
+                    num(r["comm_mib_counted"], ".1f"),
+                    r.get("mask") or CAUSAL,
+                    num(r.get("allowed_ratio"), ".3f"),
+                    r["notes"],
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
 def format_mask_summary(rows):
     """Masked rows against the same mode's causal row (same S and P); "" when none was run."""
-    causal = {(r["config"], r["S"], r["P"]): r["time_s"] for r in rows
-              if (r.get("mask") or CAUSAL) == CAUSAL and r["time_s"]}
+    causal = {
+        (r["config"], r["S"], r["P"]): r["time_s"] for r in rows if (r.get("mask") or CAUSAL) == CAUSAL and r["time_s"]
+    }
     masked = [r for r in rows if (r.get("mask") or CAUSAL) != CAUSAL and r["time_s"]]
     if not masked:
         return ""
-    header = ["mode", "mask", "S", "P", "time s", "causal time s", "time ratio", "ideal ratio (allowed/causal)",
-              "saving achieved / ideal saving"]
+    header = [
+        "mode",
+        "mask",
+        "S",
+        "P",
+        "time s",
+        "causal time s",
+        "time ratio",
+        "ideal ratio (allowed/causal)",
+        "saving achieved / ideal saving",
+    ]
     lines = [table_header(header)]
     for r in masked:
         ideal = r.get("allowed_ratio")
@@ -115,23 +168,44 @@ def plot(rows, path):
     any_busy = False
     for label, points in series.items():
         points.sort()
-        line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                        linestyle="--" if label == BASELINE else "-", label=label)
+        (line,) = ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            linestyle="--" if label == BASELINE else "-",
+            label=label,
+        )
         busy = [p for p in points if p[2]]
         if busy:  # measured while other processes used the cores: hollow marker
             any_busy = True
-            ax.plot([p[0] for p in busy], [p[1] for p in busy], marker="o", linestyle="none",
-                    markerfacecolor="white", markeredgecolor=line.get_color(), markersize=9)
+            ax.plot(
+                [p[0] for p in busy],
+                [p[1] for p in busy],
+                marker="o",
+                linestyle="none",
+                markerfacecolor="white",
+                markeredgecolor=line.get_color(),
+                markersize=9,
+            )
     if any_busy:
-        ax.text(0.99, 0.01, "hollow: measured on a busy machine", transform=ax.transAxes,
-                ha="right", va="bottom", fontsize=7)
+        ax.text(
+            0.99,
+            0.01,
+            "hollow: measured on a busy machine",
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=7,
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length S")
     ax.set_ylabel("fwd+bwd time (s), median")
     masks = sorted({r.get("mask") or CAUSAL for r in rows})
-    ax.set_title("One attention layer fwd+bwd on CPU (gloo), 2 cores"
-                 + ("" if masks == [CAUSAL] else f"; masks: {', '.join(masks)}"))
+    ax.set_title(
+        "One attention layer fwd+bwd on CPU (gloo), 2 cores"
+        + ("" if masks == [CAUSAL] else f"; masks: {', '.join(masks)}")
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -150,9 +224,20 @@ def rows_from_csv(paths):
                 for key in ("S", "P", "threads_per_rank"):
                     row[key] = int(row[key])
                 row["mask"] = row.get("mask") or CAUSAL  # before allowed_ratio: the CSV's column order
-                for key in ("time_s", "speedup", "efficiency", "peak_mib_max", "comm_mib_analytic",
-                            "comm_mib_counted", "others_cpu_s", "allowed_ratio", "err_out", "err_dq", "err_dk",
-                            "err_dv"):
+                for key in (
+                    "time_s",
+                    "speedup",
+                    "efficiency",
+                    "peak_mib_max",
+                    "comm_mib_analytic",
+                    "comm_mib_counted",
+                    "others_cpu_s",
+                    "allowed_ratio",
+                    "err_out",
+                    "err_dq",
+                    "err_dk",
+                    "err_dv",
+                ):
                     row[key] = float(row[key]) if row.get(key) not in (None, "") else None
                 if row["allowed_ratio"] is None and row["mask"] == CAUSAL:
                     row["allowed_ratio"] = 1.0
@@ -166,8 +251,14 @@ def rows_from_csv(paths):
             r["efficiency"] = base[r["S"]] / (r["time_s"] * cores / CPU_CORES)
     order = {c: i for i, c in enumerate([BASELINE])}
     masks = list(dict.fromkeys([CAUSAL] + [r["mask"] for r in rows]))
-    rows.sort(key=lambda r: (masks.index(r["mask"]), r["S"], r["P"] if r["config"] != BASELINE else 0,
-                             order.get(r["config"], 1)))
+    rows.sort(
+        key=lambda r: (
+            masks.index(r["mask"]),
+            r["S"],
+            r["P"] if r["config"] != BASELINE else 0,
+            order.get(r["config"], 1),
+        )
+    )
     return rows
 
 
@@ -177,14 +268,18 @@ def write_outputs(rows, args, seq_lens):
     peer_table = bench_peers.summary(rows, args.dtype)
     if peer_table:
         print()
-        print("peers: errors against SDPA on the whole sequence (max over ranks); ratios of our fastest / "
-              "lowest-peak mode at the same S and P over each exact peer's")
+        print(
+            "peers: errors against SDPA on the whole sequence (max over ranks); ratios of our fastest / "
+            "lowest-peak mode at the same S and P over each exact peer's"
+        )
         print(peer_table)
     summary = format_mask_summary(rows)
     if summary:
         print()
-        print("masked rows against the same mode's causal row (same S, P): saving = 1 - time / causal time, "
-              "ideal saving = 1 - allowed ratio")
+        print(
+            "masked rows against the same mode's causal row (same S, P): saving = 1 - time / causal time, "
+            "ideal saving = 1 - allowed ratio"
+        )
         print(summary)
     if args.csv:
         write_csv(args.csv, rows)

@@ -139,9 +139,10 @@ def _probe(q, want_deepspeed, masks, seq_lens, seed):
     q.put((modes, ds_problem, ratios))
 
 
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seq-len", default="8192", help="sequence length(s), comma separated (default 8192)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -149,45 +150,87 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32")
     p.add_argument("--world-sizes", default="2", help="numbers of ranks P, comma separated (default 2)")
-    p.add_argument("--modes", default="all",
-                   help=f"comma list of {BASELINE}, easy_context mode names, {DEEPSPEED}; 'all' (default) = every one")
-    p.add_argument("--peers", default=None,
-                   help="other projects' attention, comma list of names or packages (ringmaster, lucidrains), 'all' "
-                        "or 'none'; default: all, unless --modes or --smoke/--smoke-masks is given (then none). "
-                        "Peers run at P > 1, causal only, each in fresh processes, and are always checked against "
-                        "SDPA (a wrong or failing peer is marked in its row, never fails the run); see "
-                        "benchmarks/bench_peers.py")
-    p.add_argument("--peer-max-gib", type=float, default=3.5, metavar="GiB",
-                   help="skip a peer whose estimated memory (S_local^2 fp32 score blocks) is over this per rank")
-    p.add_argument("--peer-max-gib-total", type=float, default=7.5, metavar="GiB",
-                   help="... or over this for all P ranks together")
-    p.add_argument("--masks", default=None,
-                   help=f"attention masks, comma separated (default {CAUSAL}): {MASK_HELP}. The baseline and "
-                        f"{DEEPSPEED} run for {CAUSAL} only")
+    p.add_argument(
+        "--modes",
+        default="all",
+        help=f"comma list of {BASELINE}, easy_context mode names, {DEEPSPEED}; 'all' (default) = every one",
+    )
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="other projects' attention, comma list of names or packages (ringmaster, lucidrains), 'all' "
+        "or 'none'; default: all, unless --modes or --smoke/--smoke-masks is given (then none). "
+        "Peers run at P > 1, causal only, each in fresh processes, and are always checked against "
+        "SDPA (a wrong or failing peer is marked in its row, never fails the run); see "
+        "benchmarks/bench_peers.py",
+    )
+    p.add_argument(
+        "--peer-max-gib",
+        type=float,
+        default=3.5,
+        metavar="GiB",
+        help="skip a peer whose estimated memory (S_local^2 fp32 score blocks) is over this per rank",
+    )
+    p.add_argument(
+        "--peer-max-gib-total", type=float, default=7.5, metavar="GiB", help="... or over this for all P ranks together"
+    )
+    p.add_argument(
+        "--masks",
+        default=None,
+        help=f"attention masks, comma separated (default {CAUSAL}): {MASK_HELP}. The baseline and "
+        f"{DEEPSPEED} run for {CAUSAL} only",
+    )
     p.add_argument("--iters", type=int, default=3, help="measured steps after one warm-up (default 3)")
-    p.add_argument("--check", action="store_true", help="after timing, compare outputs and gradients with SDPA on the whole sequence (fails the run on a "
-                        "mismatch); a masked row's SDPA gets a dense S x S boolean mask: small S only")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="after timing, compare outputs and gradients with SDPA on the whole sequence (fails the run on a "
+        "mismatch); a masked row's SDPA gets a dense S x S boolean mask: small S only",
+    )
     p.add_argument("--timeout", type=int, default=600, help="seconds per configuration before it is stopped")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
-                   help="before each configuration wait up to this long for the machine to be idle")
-    p.add_argument("--retry-busy", type=int, default=0, metavar="N",
-                   help="measure a configuration again (up to N times) when other processes used the cores meanwhile")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each configuration wait up to this long for the machine to be idle",
+    )
+    p.add_argument(
+        "--retry-busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure a configuration again (up to N times) when other processes used the cores meanwhile",
+    )
     p.add_argument("--csv", help="write the results as CSV here")
     p.add_argument("--plot", help="write a PNG of time vs sequence length here (needs several --seq-len)")
-    p.add_argument("--shared-processes", action="store_true",
-                   help="run all configurations of one P in the same processes (faster start-up; memory numbers then less clean)")
-    p.add_argument("--exact-memory", action="store_true",
-                   help="run the ranks with MALLOC_MMAP_THRESHOLD_=65536: freed tensors go back to the OS at once, "
-                        "so RSS follows the live tensors (peak MiB without allocator caching); times may change a little")
-    p.add_argument("--from-csv", metavar="PATH[,PATH...]",
-                   help="run nothing: print the table (and write --csv/--plot) from earlier CSVs; rows of later "
-                        "files replace the same config/S/P of earlier ones (e.g. a re-run on a quiet machine)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny run for CI: S=256, 1 iteration, --check, --shared-processes")
-    p.add_argument("--smoke-masks", action="store_true",
-                   help=f"tiny masked run for CI: as --smoke, with --masks {SMOKE_MASKS} and (unless given) "
-                        f"--modes {SMOKE_MASK_MODES}")
+    p.add_argument(
+        "--shared-processes",
+        action="store_true",
+        help="run all configurations of one P in the same processes (faster start-up; memory numbers then less clean)",
+    )
+    p.add_argument(
+        "--exact-memory",
+        action="store_true",
+        help="run the ranks with MALLOC_MMAP_THRESHOLD_=65536: freed tensors go back to the OS at once, "
+        "so RSS follows the live tensors (peak MiB without allocator caching); times may change a little",
+    )
+    p.add_argument(
+        "--from-csv",
+        metavar="PATH[,PATH...]",
+        help="run nothing: print the table (and write --csv/--plot) from earlier CSVs; rows of later "
+        "files replace the same config/S/P of earlier ones (e.g. a re-run on a quiet machine)",
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny run for CI: S=256, 1 iteration, --check, --shared-processes"
+    )
+    p.add_argument(
+        "--smoke-masks",
+        action="store_true",
+        help=f"tiny masked run for CI: as --smoke, with --masks {SMOKE_MASKS} and (unless given) "
+        f"--modes {SMOKE_MASK_MODES}",
+    )
     args = p.parse_args(argv)
     args.seq_lens = int_list(args.seq_len)
     args.world_sizes = int_list(args.world_sizes)
@@ -221,8 +264,9 @@ def main(argv=None):
     if args.exact_memory:
         use_exact_memory()
     wanted_names = None if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
-    mine, ds_problem, ratios = probe(wanted_names is None or DEEPSPEED in wanted_names,
-                                     args.masks, args.seq_lens, args.seed)
+    mine, ds_problem, ratios = probe(
+        wanted_names is None or DEEPSPEED in wanted_names, args.masks, args.seq_lens, args.seed
+    )
     known = [BASELINE, *mine, DEEPSPEED]
     peers = bench_peers.select(args.peers)
 
@@ -231,9 +275,18 @@ def main(argv=None):
             return ds_problem
         if bench_peers.is_peer(config):
             return bench_peers.not_installed(config) or bench_peers.memory_skip(
-                config, S, P, args.batch, args.heads, args.kv_heads, args.head_dim, args.peer_max_gib,
-                args.peer_max_gib_total)
+                config,
+                S,
+                P,
+                args.batch,
+                args.heads,
+                args.kv_heads,
+                args.head_dim,
+                args.peer_max_gib,
+                args.peer_max_gib_total,
+            )
         return None
+
     wanted = known if wanted_names is None else wanted_names
     wanted = [m for m in wanted if m != DEEPSPEED] + [m for m in wanted if m == DEEPSPEED]  # DeepSpeed last
     unknown = [m for m in wanted if m not in known]
@@ -241,11 +294,14 @@ def main(argv=None):
         raise SystemExit(f"unknown --modes {unknown}; choose from {known}")
 
     shape = dict(B=args.batch, Hq=args.heads, Hkv=args.kv_heads, D=args.head_dim, dtype=args.dtype)
-    print(f"# one attention layer fwd+bwd: B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
-          f"{args.dtype}; masks: {args.masks}; {args.iters} measured iters after 1 warm-up; modes: {wanted}"
-          + (f"; peers: {peers}" if peers else "")
-          + ("; configurations share processes" if args.shared_processes else "")
-          + ("; --exact-memory" if args.exact_memory else ""), flush=True)
+    print(
+        f"# one attention layer fwd+bwd: B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim} "
+        f"{args.dtype}; masks: {args.masks}; {args.iters} measured iters after 1 warm-up; modes: {wanted}"
+        + (f"; peers: {peers}" if peers else "")
+        + ("; configurations share processes" if args.shared_processes else "")
+        + ("; --exact-memory" if args.exact_memory else ""),
+        flush=True,
+    )
     if any(m != CAUSAL for m in args.masks) and {BASELINE, DEEPSPEED} & set(wanted):
         print(f"# {BASELINE} and {DEEPSPEED} run for the {CAUSAL} mask only", flush=True)
     rows = []
@@ -253,9 +309,20 @@ def main(argv=None):
     ref_dir = tempfile.mkdtemp(prefix="bench_attn_ref_")  # SDPA references for the checks, one per shape
     for S, P, work in _groups(args, wanted, peers, no_run):
         configs = [c for c, _ in work]
-        specs = [dict(config=c, S=S, mask=mask, iters=args.iters, check=args.check, seed=args.seed, ref_dir=ref_dir,
-                      threads=CPU_CORES if c == BASELINE else max(1, CPU_CORES // P), **shape)
-                 for c, mask in work]
+        specs = [
+            dict(
+                config=c,
+                S=S,
+                mask=mask,
+                iters=args.iters,
+                check=args.check,
+                seed=args.seed,
+                ref_dir=ref_dir,
+                threads=CPU_CORES if c == BASELINE else max(1, CPU_CORES // P),
+                **shape,
+            )
+            for c, mask in work
+        ]
         for attempt in range(1 + args.retry_busy):
             if args.wait_idle:
                 wait_for_idle(args.wait_idle, CPU_CORES)
@@ -267,14 +334,26 @@ def main(argv=None):
             busy = [r for r in results if is_busy(r)]
             if not busy or attempt == args.retry_busy:
                 break
-            print(f"  other processes used {busy[0]['others_cpu_s']:.0f} CPU-s during {configs}: "
-                  "measuring again", flush=True)
+            print(
+                f"  other processes used {busy[0]['others_cpu_s']:.0f} CPU-s during {configs}: measuring again",
+                flush=True,
+            )
         for spec, res in zip(specs, results):
             mask, causal = spec["mask"], spec["mask"] == CAUSAL
-            print(f"  {spec['config']:>18} S={S} P={P}" + ("" if causal else f" {mask}") + ": "
-                  + (f"{res['time']:.3f} s" if "error" not in res else res["error"] if no_run(spec["config"], S, P)
-                     else f"FAILED ({res['error']})")
-                  + (f"  [{time.time() - t0:.0f} s wall]" if len(specs) == 1 else ""), flush=True)
+            print(
+                f"  {spec['config']:>18} S={S} P={P}"
+                + ("" if causal else f" {mask}")
+                + ": "
+                + (
+                    f"{res['time']:.3f} s"
+                    if "error" not in res
+                    else res["error"]
+                    if no_run(spec["config"], S, P)
+                    else f"FAILED ({res['error']})"
+                )
+                + (f"  [{time.time() - t0:.0f} s wall]" if len(specs) == 1 else ""),
+                flush=True,
+            )
             if spec["config"] == BASELINE and "error" not in res:
                 base_times[S] = res["time"]
             # a masked row does less work than the causal baseline: no speed-up against it
@@ -289,7 +368,9 @@ def main(argv=None):
     write_outputs(rows, args, args.seq_lens)
     print(f"(total {time.time() - started:.0f} s)")
     # A failing easy_context mode fails the run (CI); a missing/failing DeepSpeed or peer does not.
-    failed = [r for r in rows if r["time_s"] is None and r["config"] != DEEPSPEED and not bench_peers.is_peer(r["config"])]
+    failed = [
+        r for r in rows if r["time_s"] is None and r["config"] != DEEPSPEED and not bench_peers.is_peer(r["config"])
+    ]
     return 1 if failed else 0
 
 

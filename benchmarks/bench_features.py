@@ -30,8 +30,16 @@ import time
 
 import torch
 
-from benchmarks.harness import (init_gloo, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn_ranks, table_header,
-                                use_exact_memory, write_result)
+from benchmarks.harness import (
+    init_gloo,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    spawn_ranks,
+    table_header,
+    use_exact_memory,
+    write_result,
+)
 
 FEATURES = {  # name -> (query/key head dim, value head dim, softcap, sinks)
     "plain": (64, 64, None, False),
@@ -45,9 +53,9 @@ FEATURES = {  # name -> (query/key head dim, value head dim, softcap, sinks)
 def _rank(rank, world, spec, workdir):
     import torch.distributed as dist
 
+    from easy_context.core.groups import get_groups
     from easy_context.hf.admission import equal_head_dims
     from easy_context.modes import get_mode
-    from easy_context.core.groups import get_groups
 
     torch.set_num_threads(max(1, 2 // world))
     d_qk, d_v, softcap, with_sinks = FEATURES[spec["feature"]]
@@ -66,7 +74,7 @@ def _rank(rank, world, spec, workdir):
 
     def step():
         pq, pk, pv, value_dim = equal_head_dims(q, k, v)  # what the patch does for MLA
-        out = mode.attention(pq, pk, pv, d_qk ** -0.5, groups, **logits)
+        out = mode.attention(pq, pk, pv, d_qk**-0.5, groups, **logits)
         out = out if value_dim is None else out[..., :value_dim]
         out.backward(dout)
         for x in (q, k, v):
@@ -105,7 +113,9 @@ def main():
     parser.add_argument("--seq-len", default="4096,8192", help="comma separated (default 4096,8192)")
     parser.add_argument("--features", default=",".join(FEATURES), help=f"comma separated, of {list(FEATURES)}")
     parser.add_argument("--iters", type=int, default=2, help="measured steps after one warm-up (default 2)")
-    parser.add_argument("--exact-memory", action="store_true", help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks (see above)")
+    parser.add_argument(
+        "--exact-memory", action="store_true", help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks (see above)"
+    )
     args = parser.parse_args()
     if args.exact_memory:
         use_exact_memory()
@@ -122,8 +132,10 @@ def main():
                 plain = one[0]
             cell = lambda r, i: "failed" if r is None else f"{r[i]:.2f}" if i == 0 else f"{r[i]:.0f}"  # noqa: E731
             ratio = f"{one[0] / plain:.2f}x" if one and plain else ""
-            print(f"| {feature} | {seq} | {cell(one, 0)} | {cell(one, 1)} | {cell(two, 0)} | {cell(two, 1)} | {ratio} |",
-                  flush=True)
+            print(
+                f"| {feature} | {seq} | {cell(one, 0)} | {cell(one, 1)} | {cell(two, 0)} | {cell(two, 1)} | {ratio} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

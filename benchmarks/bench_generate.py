@@ -126,8 +126,14 @@ def _worker(rank, world, spec, workdir):
 
     model = _model(spec["vocab"])
     prompt = torch.randint(0, spec["vocab"], (1, spec["seq"]), generator=torch.Generator().manual_seed(1))
-    kwargs = dict(max_new_tokens=spec["new_tokens"], min_new_tokens=spec["new_tokens"], do_sample=False,
-                  return_dict_in_generate=True, use_cache=True, pad_token_id=0)
+    kwargs = dict(
+        max_new_tokens=spec["new_tokens"],
+        min_new_tokens=spec["new_tokens"],
+        do_sample=False,
+        return_dict_in_generate=True,
+        use_cache=True,
+        pad_token_id=0,
+    )
     mode = spec["mode"]
     gather_us = _idle_gather_us(world)
     gather = _Timed(dist.all_gather)
@@ -156,9 +162,16 @@ def _worker(rank, world, spec, workdir):
     steps = len(clock.times) - 1  # decoding steps through the cache (ours: the first one included)
     if mode is None:
         steps -= 1  # the baseline's counters start at its first new token
-    result = [clock.times[1] - start, statistics.median(gaps), generation.kv_bytes(output_cache(output)), peak,
-              attn.seconds / steps, gather.seconds / steps if mode is not None else float("nan"),
-              cache_update.seconds / steps, gather_us]
+    result = [
+        clock.times[1] - start,
+        statistics.median(gaps),
+        generation.kv_bytes(output_cache(output)),
+        peak,
+        attn.seconds / steps,
+        gather.seconds / steps if mode is not None else float("nan"),
+        cache_update.seconds / steps,
+        gather_us,
+    ]
     write_result(workdir, rank, result)
     if world > 1:
         dist.barrier()
@@ -171,8 +184,16 @@ def run(spec, world):
     if values is None:
         return None
     first, per_token, kv, peak, attn, gather, cache, gather_us = (max(v[i] for v in values) for i in range(8))
-    return {"first_token_s": first, "ms_per_token": 1000 * per_token, "kv_mib": kv / 2**20, "peak_mib": peak / 2**20,
-            "attn_ms": 1000 * attn, "gather_ms": 1000 * gather, "cache_ms": 1000 * cache, "idle_gather_us": gather_us}
+    return {
+        "first_token_s": first,
+        "ms_per_token": 1000 * per_token,
+        "kv_mib": kv / 2**20,
+        "peak_mib": peak / 2**20,
+        "attn_ms": 1000 * attn,
+        "gather_ms": 1000 * gather,
+        "cache_ms": 1000 * cache,
+        "idle_gather_us": gather_us,
+    }
 
 
 def main():
@@ -191,13 +212,20 @@ def main():
     args.repeats = 1 if args.smoke else args.repeats
     configs = [("hf", None, 1)] + [(f"{m} P={args.world_size}", m, args.world_size) for m in args.modes.split(",")]
 
-    print("| config | S | first token s | ms/token | x hf ms/token | KV MiB/rank | x hf KV | peak MiB/rank | attn ms/token | "
-          "cache ms/token | gather ms/token | idle gather us |\n|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| config | S | first token s | ms/token | x hf ms/token | KV MiB/rank | x hf KV | peak MiB/rank | "
+        "attn ms/token | "
+        "cache ms/token | gather ms/token | idle gather us |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     rows = []
     for seq in seqs:
         baseline = None
         for name, mode, world in configs:
-            runs = [run({"seq": seq, "mode": mode, "vocab": vocab, "new_tokens": new_tokens}, world) for _ in range(args.repeats)]
+            runs = [
+                run({"seq": seq, "mode": mode, "vocab": vocab, "new_tokens": new_tokens}, world)
+                for _ in range(args.repeats)
+            ]
             runs = [r for r in runs if r is not None]
             result = {key: statistics.median(r[key] for r in runs) for key in runs[0]} if runs else None
             rows.append({"config": name, "seq": seq, "world": world, "repeats": len(runs), **(result or {})})
@@ -205,10 +233,13 @@ def main():
                 print(f"| {name} | {seq} | failed | | | | | | | | | |", flush=True)
                 continue
             baseline = baseline or result
-            print(f"| {name} | {seq} | {result['first_token_s']:.2f} | {result['ms_per_token']:.1f} | "
-                  f"{result['ms_per_token'] / baseline['ms_per_token']:.2f} | {result['kv_mib']:.1f} | "
-                  f"{result['kv_mib'] / baseline['kv_mib']:.2f} | {result['peak_mib']:.0f} | {result['attn_ms']:.1f} | "
-                  f"{result['cache_ms']:.1f} | {result['gather_ms']:.1f} | {result['idle_gather_us']:.0f} |", flush=True)
+            print(
+                f"| {name} | {seq} | {result['first_token_s']:.2f} | {result['ms_per_token']:.1f} | "
+                f"{result['ms_per_token'] / baseline['ms_per_token']:.2f} | {result['kv_mib']:.1f} | "
+                f"{result['kv_mib'] / baseline['kv_mib']:.2f} | {result['peak_mib']:.0f} | {result['attn_ms']:.1f} | "
+                f"{result['cache_ms']:.1f} | {result['gather_ms']:.1f} | {result['idle_gather_us']:.0f} |",
+                flush=True,
+            )
     if args.csv:
         write_csv(args.csv, rows, sorted({key for row in rows for key in row}, key=str))
 

@@ -48,8 +48,13 @@ def _sync(device):
 def _flash_sdpa(q):
     """SDPA restricted to the flash kernel on CUDA where flash can run it (half types, head dim
     <= 256 and a multiple of 8, a build with flash); torch's own choice elsewhere."""
-    flash_ok = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-                and torch.backends.cuda.is_flash_attention_available())
+    flash_ok = (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and torch.backends.cuda.is_flash_attention_available()
+    )
     if not flash_ok:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -104,6 +109,7 @@ def candidates(q, k, v, scale, device):
     except Exception as exc:  # noqa: BLE001 - optional: its row says why
         steps["flash_attn"] = f"not installed ({type(exc).__name__})"
     else:
+
         def flash():
             a, b, c = leaf(*(x.transpose(1, 2) for x in (q, k, v)))  # (B, S, H, D)
             out = flash_attn_func(a, b, c, softmax_scale=scale, causal=True)
@@ -116,6 +122,7 @@ def candidates(q, k, v, scale, device):
     except Exception as exc:  # noqa: BLE001
         steps["ring_flash_attn"] = f"not installed ({type(exc).__name__})"
     else:
+
         def ring_flash():  # one rank: its zigzag layout is the identity
             a, b, c = leaf(*(x.transpose(1, 2) for x in (q, k, v)))
             out = zigzag_ring_flash_attn_func(a, b, c, softmax_scale=scale, causal=True, group=_one_rank_group(device))
@@ -131,8 +138,9 @@ def _one_rank_group(device):
 
     if not dist.is_initialized():
         init = os.path.join(tempfile.mkdtemp(prefix="bench_kernels_"), "init")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init}",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init}", rank=0, world_size=1
+        )
     return dist.group.WORLD
 
 
@@ -156,7 +164,9 @@ def measure(step, device, iters):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--seq-len", default=None, help="comma separated (default 8192,16384,32768,65536 on CUDA, 1024,2048 on CPU)")
+    parser.add_argument(
+        "--seq-len", default=None, help="comma separated (default 8192,16384,32768,65536 on CUDA, 1024,2048 on CPU)"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -173,8 +183,10 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     seqs = [int(s) for s in (args.seq_len or ("8192,16384,32768,65536" if cuda else "1024,2048")).split(",")]
     where = torch.cuda.get_device_name(device) if cuda else "cpu"
-    print(f"one layer fwd+bwd on {where}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
-          f"{args.heads} heads x {args.head_dim}, {args.kv_heads} KV heads, causal, median of {args.iters}")
+    print(
+        f"one layer fwd+bwd on {where}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
+        f"{args.heads} heads x {args.head_dim}, {args.kv_heads} KV heads, causal, median of {args.iters}"
+    )
     print("| S | config | ms | TFLOP/s | x sdpa | peak MiB | max err vs sdpa |\n|---|---|---|---|---|---|---|")
     rows = []
     for seq in seqs:
@@ -183,7 +195,7 @@ def main(argv=None) -> int:
         k, v = (torch.randn(1, args.kv_heads, seq, args.head_dim, generator=gen).to(device, dtype) for _ in range(2))
         flops = 3.5 * 4 * args.heads * seq * seq * args.head_dim / 2
         base_time, base_out = None, None
-        for name, step in candidates(q, k, v, args.head_dim ** -0.5, device).items():
+        for name, step in candidates(q, k, v, args.head_dim**-0.5, device).items():
             row = {"seq": seq, "config": name}
             if isinstance(step, str):
                 row["error"] = step
@@ -195,14 +207,22 @@ def main(argv=None) -> int:
                 else:
                     if base_time is None:
                         base_time, base_out = seconds, out.float()
-                    row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12, ratio=seconds / base_time,
-                               peak_mib=peak, max_err=(out.float() - base_out).abs().max().item())
+                    row.update(
+                        ms=seconds * 1e3,
+                        tflops=flops / seconds / 1e12,
+                        ratio=seconds / base_time,
+                        peak_mib=peak,
+                        max_err=(out.float() - base_out).abs().max().item(),
+                    )
             rows.append(row)
             if "error" in row:
                 print(f"| {seq} | {name} | {row['error']} | | | | |", flush=True)
             else:
-                print(f"| {seq} | {name} | {row['ms']:.2f} | {row['tflops']:.3g} | {row['ratio']:.2f} | "
-                      f"{row['peak_mib']:.0f} | {row['max_err']:.1e} |", flush=True)
+                print(
+                    f"| {seq} | {name} | {row['ms']:.2f} | {row['tflops']:.3g} | {row['ratio']:.2f} | "
+                    f"{row['peak_mib']:.0f} | {row['max_err']:.1e} |",
+                    flush=True,
+                )
         del q, k, v
     if args.json:
         write_json(args.json, {"device": where, "torch": torch.__version__, "dtype": str(dtype), "rows": rows})

@@ -41,13 +41,15 @@ from __future__ import annotations
 import importlib.util
 import os
 
-GiB = 1024 ** 3
+GiB = 1024**3
 TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
 
 RINGMASTER_VARIANTS = ("p2p", "allgather", "zigzag", "zigzag_varlen", "distflash", "ulysses", "usp")
 LUCIDRAINS_VARIANTS = ("ring", "striped")
-PACKAGES = {"ringmaster": ("ringmaster", "axolotl-ringmaster==0.2.7"),
-            "lucidrains": ("ring_attention_pytorch", "ring-attention-pytorch==0.5.20")}
+PACKAGES = {
+    "ringmaster": ("ringmaster", "axolotl-ringmaster==0.2.7"),
+    "lucidrains": ("ring_attention_pytorch", "ring-attention-pytorch==0.5.20"),
+}
 PEERS = [f"ringmaster_{v}" for v in RINGMASTER_VARIANTS] + [f"lucidrains_{v}" for v in LUCIDRAINS_VARIANTS]
 INSTALL_HINT = "pip install -e '.[peers]'"
 
@@ -80,7 +82,9 @@ def select(text: str):
     for item in (x.strip() for x in text.split(",") if x.strip()):
         names = [p for p in PEERS if p == item or p.startswith(item + "_")]
         if not names:
-            raise ValueError(f"unknown peer {item!r}; choose from {', '.join(PEERS)} (or ringmaster, lucidrains, all, none)")
+            raise ValueError(
+                f"unknown peer {item!r}; choose from {', '.join(PEERS)} (or ringmaster, lucidrains, all, none)"
+            )
         chosen += [n for n in names if n not in chosen]
     return chosen
 
@@ -106,7 +110,7 @@ def score_bytes_per_rank(config, S, P, B, Hq, Hkv, D):
         heads, rows = Hq // u, S // r
     else:
         return None
-    return 84 * 2 ** 20 + (7.5 if variant == "usp" else 6.5) * B * heads * rows * rows * 4
+    return 84 * 2**20 + (7.5 if variant == "usp" else 6.5) * B * heads * rows * rows * 4
 
 
 def memory_skip(config, S, P, B, Hq, Hkv, D, max_gib_per_rank, max_gib_total):
@@ -117,8 +121,10 @@ def memory_skip(config, S, P, B, Hq, Hkv, D, max_gib_per_rank, max_gib_total):
     if need > max_gib_per_rank * GiB:
         return f"skipped: needs ~{need / GiB:.1f} GiB/rank (S_local^2 fp32 scores; limit {max_gib_per_rank:g})"
     if need * P > max_gib_total * GiB:
-        return (f"skipped: needs ~{need / GiB:.1f} GiB/rank x {P} ranks = {need * P / GiB:.1f} GiB "
-                f"(S_local^2 fp32 scores; limit {max_gib_total:g} GiB in all)")
+        return (
+            f"skipped: needs ~{need / GiB:.1f} GiB/rank x {P} ranks = {need * P / GiB:.1f} GiB "
+            f"(S_local^2 fp32 scores; limit {max_gib_total:g} GiB in all)"
+        )
     return None
 
 
@@ -146,14 +152,14 @@ def _to_bshd(x):
 
 
 def ringmaster(variant, torch, dist, rank, world, spec, scale):
+    import logging
+
     from ringmaster.config import Backend, LoadBalance, RingmasterConfig, RotateMethod
     from ringmaster.mesh import build_runtime
     from ringmaster.runtime import set_runtime
     from ringmaster.strategies.ring import _PROVIDER, make_ring_attention, resolve_ring_impl
     from ringmaster.strategies.ulysses import make_ulysses_attention
     from ringmaster.strategies.usp import make_usp_attention
-
-    import logging
 
     logging.getLogger("ringmaster").setLevel(logging.ERROR)  # "flash ops unavailable" on every CPU call
     S, B, Hq, Hkv = spec["S"], spec["B"], spec["Hq"], spec["Hkv"]
@@ -202,8 +208,12 @@ def ringmaster(variant, torch, dist, rank, world, spec, scale):
         if S % (2 * world):
             raise ValueError(f"zigzag needs S divisible by 2P = {2 * world}")
         half = S // (2 * world)
-        index = torch.cat([torch.arange(rank * half, (rank + 1) * half),
-                           torch.arange((2 * world - 1 - rank) * half, (2 * world - rank) * half)])
+        index = torch.cat(
+            [
+                torch.arange(rank * half, (rank + 1) * half),
+                torch.arange((2 * world - 1 - rank) * half, (2 * world - rank) * half),
+            ]
+        )
 
         def shard(x):
             return x.index_select(2, index)
@@ -216,7 +226,7 @@ def lucidrains(variant, torch, dist, rank, world, spec, scale):
     from ring_attention_pytorch import ring_flash_attn
 
     S, D = spec["S"], spec["D"]
-    if abs(scale - D ** -0.5) > 1e-12:
+    if abs(scale - D**-0.5) > 1e-12:
         raise ValueError("ring_flash_attn scales by head_dim ** -0.5 only")
     S_l = S // world
     bucket = min(512, S_l)  # RingAttention's default bucket_size, capped as ring_flash_attn caps it
@@ -225,8 +235,9 @@ def lucidrains(variant, torch, dist, rank, world, spec, scale):
     striped = variant == "striped"
 
     def attend(q, k, v):
-        out = ring_flash_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, bucket,
-                              True, striped, None, world)
+        out = ring_flash_attn(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, bucket, True, striped, None, world
+        )
         return out  # (B, S_local, H, D)
 
     if striped:  # RingAttention (auto_shard_seq): 'b (i j) d -> b (j i) d', i = bucket; then contiguous
@@ -257,13 +268,18 @@ def deepspeed_ulysses(torch, F, dist, rank, world, spec, scale):
 
     def inner(module, q, k, v, attention_mask, *args, **kwargs):
         # the role of transformers' sdpa_attention_forward: returns (B, S, H, D), weights
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2), None
 
     ulysses = UlyssesSPAttentionHF(
-        attn=inner, batch_size=B, attn_head_count=Hq, attn_head_size=D, kv_head_count=Hkv,
-        num_hidden_layers=1, process_group=group, seq_length_is_variable=True,
+        attn=inner,
+        batch_size=B,
+        attn_head_count=Hq,
+        attn_head_size=D,
+        kv_head_count=Hkv,
+        num_hidden_layers=1,
+        process_group=group,
+        seq_length_is_variable=True,
     )
 
     class Layer(torch.nn.Module):  # stands in for the HF attention module
@@ -306,10 +322,27 @@ def summary(rows, dtype):
     tol = TOLERANCE[dtype]
     ours = {}
     for r in rows:
-        if r["time_s"] and r["config"] != "baseline" and not (is_peer(r["config"]) or r["config"] == "deepspeed_ulysses"):
+        if (
+            r["time_s"]
+            and r["config"] != "baseline"
+            and not (is_peer(r["config"]) or r["config"] == "deepspeed_ulysses")
+        ):
             ours.setdefault((r["S"], r["P"]), []).append(r)
-    header = ["peer", "S", "P", "time (s)", "peak MiB/rank (max)", "err out", "err dq", "err dk", "err dv",
-              "exact", "our best time / its time", "our lowest peak / its peak", "notes"]
+    header = [
+        "peer",
+        "S",
+        "P",
+        "time (s)",
+        "peak MiB/rank (max)",
+        "err out",
+        "err dq",
+        "err dk",
+        "err dv",
+        "exact",
+        "our best time / its time",
+        "our lowest peak / its peak",
+        "notes",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in peers:
         errs = [r.get(f"err_{k}") for k in ("out", "dq", "dk", "dv")]
@@ -324,13 +357,29 @@ def summary(rows, dtype):
             t_ratio = f"{fast['time_s'] / r['time_s']:.2f} ({fast['config']})"
             if low and r["peak_mib_max"] and r["peak_mib_max"] > 0:
                 m_ratio = f"{low['peak_mib_max'] / r['peak_mib_max']:.2f} ({low['config']})"
-        note = r["notes"] if not ran else "; ".join(n for n in r["notes"].split("; ") if not n.startswith(("err ", "max err")))
+        note = (
+            r["notes"]
+            if not ran
+            else "; ".join(n for n in r["notes"].split("; ") if not n.startswith(("err ", "max err")))
+        )
         if r["config"] == "ringmaster_usp" and _usp_degrees(r["P"])[1] == 1:
             note = "; ".join(filter(None, ["ring_size 1: its Ulysses backend", note]))
-        lines.append("| " + " | ".join([
-            r["config"], str(r["S"]), str(r["P"]), f"{r['time_s']:.3f}" if ran else "—",
-            f"{r['peak_mib_max']:.0f}" if ran else "—",
-            *[("" if e is None else f"{e:.1e}") for e in errs],
-            ("yes" if exact else "NO") if ran and errs[0] is not None else "—", t_ratio, m_ratio, note,
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["config"],
+                    str(r["S"]),
+                    str(r["P"]),
+                    f"{r['time_s']:.3f}" if ran else "—",
+                    f"{r['peak_mib_max']:.0f}" if ran else "—",
+                    *[("" if e is None else f"{e:.1e}") for e in errs],
+                    ("yes" if exact else "NO") if ran and errs[0] is not None else "—",
+                    t_ratio,
+                    m_ratio,
+                    note,
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)

@@ -48,7 +48,9 @@ def main():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "configs" / "tiny-llama"), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(ROOT / "configs" / "tiny-llama"), attn_implementation="sdpa"
+    )
     ec.apply_seq_parallel_monkey_patch("zigzag_ring_attn", "llama")
     model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -64,7 +66,9 @@ def main():
 
     rows, default = [], replicas.check_every()
     for seq in (int(s) for s in args.seq_lengths.split(",")):
-        ids = torch.randint(0, model.module.config.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
+        ids = torch.randint(
+            0, model.module.config.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(seq)
+        )
         local = ec.prepare_seq_parallel_inputs("zigzag_ring_attn", ids[:, :-1], None, ids[:, 1:], rank, world, "cpu")
         timing = {}
         for label, every in (("off", 0), ("every forward", 1)):
@@ -74,11 +78,17 @@ def main():
     replicas.CHECK_EVERY = every = default
     if rank == 0:
         print(f"one check (checksum + all-gather of 1 int64 over {world} gloo ranks): {check_ms:.3f} ms\n")
-        print(f"| seq len | step, guard off (s) | step, every forward (s) | one check / step | overhead at every {every} forwards |")
+        print(
+            "| seq len | step, guard off (s) | step, every forward (s) | one check / step | "
+            f"overhead at every {every} forwards |"
+        )
         print("|---|---|---|---|---|")
         for seq, timing in rows:
             off = timing["off"]
-            print(f"| {seq} | {off:.3f} | {timing['every forward']:.3f} | {check_ms / 1e3 / off:.3%} | {check_ms / 1e3 / off / every:.4%} |")
+            print(
+                f"| {seq} | {off:.3f} | {timing['every forward']:.3f} | {check_ms / 1e3 / off:.3%} | "
+                f"{check_ms / 1e3 / off / every:.4%} |"
+            )
     ec.remove_seq_parallel_monkey_patch()
     dist.destroy_process_group()
 

@@ -23,8 +23,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (init_gloo, memory_total_gib, reset_peak_rss, spawn_ranks, status_bytes,
-                                table_header, use_exact_memory, write_csv, write_result)
+from benchmarks.harness import (
+    init_gloo,
+    memory_total_gib,
+    reset_peak_rss,
+    spawn_ranks,
+    status_bytes,
+    table_header,
+    use_exact_memory,
+    write_csv,
+    write_result,
+)
 
 
 def tiny_llama(vocab: int, checkpointing: bool, tile: int):
@@ -35,8 +44,15 @@ def tiny_llama(vocab: int, checkpointing: bool, tile: int):
     from easy_context.versions import enable_activation_checkpointing
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1 << 20,
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if checkpointing:
         enable_activation_checkpointing(model)
@@ -56,8 +72,10 @@ def _worker(rank, world, spec, workdir):
     model = tiny_llama(vocab, checkpointing=memory, tile=1024 if memory else 0)
     tokens = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(1))
     if mode is None:  # plain HF: full logits, HF's loss
+
         def step():
             model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss.backward()
+
         local_tokens = seq
     else:
         ec.apply_seq_parallel_monkey_patch(mode, "llama")
@@ -65,9 +83,14 @@ def _worker(rank, world, spec, workdir):
         chunk = 1024 if memory else seq
 
         def step():
-            hidden = model.get_decoder()(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]).last_hidden_state
-            loss_sum = chunked_cross_entropy_sum(hidden, model.get_output_embeddings(), local["local_target_ids"], chunk)
+            hidden = model.get_decoder()(
+                input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]
+            ).last_hidden_state
+            loss_sum = chunked_cross_entropy_sum(
+                hidden, model.get_output_embeddings(), local["local_target_ids"], chunk
+            )
             global_token_mean(loss_sum, local["local_target_ids"])[0].backward()
+
         local_tokens = local["local_input_ids"].shape[1]
     if spec.get("profile"):  # where the memory goes (live tensors at the peak), then stop
         from benchmarks.memory_trace import LiveTensorTrace
@@ -107,8 +130,13 @@ def run(spec, world):
         return None
     elapsed = max(v[0] for v in values)
     peak = max(v[1] for v in values)
-    return {"tokens_per_s": spec["seq"] / elapsed, "step_s": elapsed, "peak_mib": peak / 2**20,
-            "bytes_per_token": peak / values[0][2], "absolute_mib": max(v[3] for v in values) / 2**20}
+    return {
+        "tokens_per_s": spec["seq"] / elapsed,
+        "step_s": elapsed,
+        "peak_mib": peak / 2**20,
+        "bytes_per_token": peak / values[0][2],
+        "absolute_mib": max(v[3] for v in values) / 2**20,
+    }
 
 
 def fit_line(xs, ys):
@@ -124,16 +152,29 @@ def main():
     parser.add_argument("--modes", default="zigzag_ring_attn")
     parser.add_argument("--configs", default=None, help="only these configs (comma separated names, e.g. 'hf-plain')")
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--exact-memory", action="store_true",
-                        help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks: freed tensors return to the OS at once, so the "
-                             "RSS peak follows live memory instead of what glibc keeps cached")
-    parser.add_argument("--memory-budget-gib", type=float, default=None,
-                        help="memory of the machine that the ranks of one config share (default: this machine's)")
-    parser.add_argument("--verify-length", type=int, default=None,
-                        help="then run one real step of each '+mem' config at this length, next to its prediction")
+    parser.add_argument(
+        "--exact-memory",
+        action="store_true",
+        help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks: freed tensors return to the OS at once, so the "
+        "RSS peak follows live memory instead of what glibc keeps cached",
+    )
+    parser.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=None,
+        help="memory of the machine that the ranks of one config share (default: this machine's)",
+    )
+    parser.add_argument(
+        "--verify-length",
+        type=int,
+        default=None,
+        help="then run one real step of each '+mem' config at this length, next to its prediction",
+    )
     parser.add_argument("--csv", default=None)
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for CI")
-    parser.add_argument("--profile", default=None, metavar="CONFIG", help="only this config: print what is live at its peak")
+    parser.add_argument(
+        "--profile", default=None, metavar="CONFIG", help="only this config: print what is live at its peak"
+    )
     args = parser.parse_args()
     if args.exact_memory:
         use_exact_memory()
@@ -147,16 +188,26 @@ def main():
         wanted = set((args.configs or args.profile).split(","))
         configs = [c for c in configs if c[0] in wanted]
 
-    print(table_header(["config", "S", "tokens/s", "step s", "peak MiB/rank (step)", "KiB/local token",
-                        "peak MiB/rank (absolute)"]), flush=True)
+    print(
+        table_header(
+            ["config", "S", "tokens/s", "step s", "peak MiB/rank (step)", "KiB/local token", "peak MiB/rank (absolute)"]
+        ),
+        flush=True,
+    )
     rows = []
     for seq in seqs:
         for name, mode, memory, world in configs:
-            result = run({"seq": seq, "mode": mode, "memory": memory, "vocab": vocab, "profile": bool(args.profile)}, world)
+            result = run(
+                {"seq": seq, "mode": mode, "memory": memory, "vocab": vocab, "profile": bool(args.profile)}, world
+            )
             rows.append({"config": name, "seq": seq, "world": world, **(result or {})})
             if result:
-                print(f"| {name} | {seq} | {result['tokens_per_s']:.0f} | {result['step_s']:.2f} | {result['peak_mib']:.0f} | "
-                      f"{result['bytes_per_token'] / 1024:.1f} | {result['absolute_mib']:.0f} |", flush=True)
+                print(
+                    f"| {name} | {seq} | {result['tokens_per_s']:.0f} | {result['step_s']:.2f} | "
+                    f"{result['peak_mib']:.0f} | "
+                    f"{result['bytes_per_token'] / 1024:.1f} | {result['absolute_mib']:.0f} |",
+                    flush=True,
+                )
             else:
                 print(f"| {name} | {seq} | failed | | | | |", flush=True)
     if args.profile:
@@ -164,10 +215,14 @@ def main():
 
     # Memory against length: per-token slope and fixed part per rank, and the longest context
     # whose predicted per-rank peak fits the budget (the ranks of a config share the machine).
-    print(f"\nlongest context within {budget:.1f} GiB shared by the ranks of each config "
-          "(linear fit of the absolute per-rank peak over the lengths above):\n"
-          "| config | slope KiB/token/rank | fixed MiB/rank | longest S (predicted) | verified S | measured MiB/rank | predicted MiB/rank |\n"
-          "|---|---|---|---|---|---|---|", flush=True)
+    print(
+        f"\nlongest context within {budget:.1f} GiB shared by the ranks of each config "
+        "(linear fit of the absolute per-rank peak over the lengths above):\n"
+        "| config | slope KiB/token/rank | fixed MiB/rank | longest S (predicted) | verified S | measured MiB/rank | "
+        "predicted MiB/rank |\n"
+        "|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     fits = []
     for name, mode, memory, world in configs:
         points = [(r["seq"], r["absolute_mib"]) for r in rows if r["config"] == name and "absolute_mib" in r]
@@ -177,13 +232,21 @@ def main():
         longest = int((budget * 1024 / world - fixed) / slope) if slope > 0 else float("inf")
         fit = {"config": name, "slope_kib_per_token": slope * 1024, "fixed_mib": fixed, "longest_tokens": longest}
         if memory and args.verify_length:
-            result = run({"seq": args.verify_length, "mode": mode, "memory": True, "vocab": vocab, "one_step": True}, world)
-            fit.update(verify_tokens=args.verify_length, verify_mib=result["absolute_mib"] if result else float("nan"),
-                       verify_predicted_mib=fixed + slope * args.verify_length,
-                       verify_step_s=result["step_s"] if result else float("nan"))
+            result = run(
+                {"seq": args.verify_length, "mode": mode, "memory": True, "vocab": vocab, "one_step": True}, world
+            )
+            fit.update(
+                verify_tokens=args.verify_length,
+                verify_mib=result["absolute_mib"] if result else float("nan"),
+                verify_predicted_mib=fixed + slope * args.verify_length,
+                verify_step_s=result["step_s"] if result else float("nan"),
+            )
         fits.append(fit)
-        verified = (f"{fit['verify_tokens']} | {fit['verify_mib']:.0f} | {fit['verify_predicted_mib']:.0f}"
-                    if "verify_tokens" in fit else " | | ")
+        verified = (
+            f"{fit['verify_tokens']} | {fit['verify_mib']:.0f} | {fit['verify_predicted_mib']:.0f}"
+            if "verify_tokens" in fit
+            else " | | "
+        )
         print(f"| {name} | {fit['slope_kib_per_token']:.1f} | {fixed:.0f} | {longest} | {verified} |", flush=True)
     if args.csv:
         write_csv(args.csv, rows)

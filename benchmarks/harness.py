@@ -147,7 +147,7 @@ def spawn_ranks(worker, spec, world: int, timeout: float = 3600):
 
 # ------------------------------------------------------------------------------ reports
 def int_list(text) -> list[int]:
-    """"4096,8192" -> [4096, 8192]."""
+    """ "4096,8192" -> [4096, 8192]."""
     return [int(x) for x in str(text).split(",") if x.strip()]
 
 

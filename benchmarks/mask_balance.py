@@ -18,10 +18,9 @@ import random
 import torch
 
 from easy_context.core.balance import split_documents
-from easy_context.modes.dist_flash_attn import split_rows
-from easy_context.modes.dist_flash_attn import balanced_schedule
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
+from easy_context.modes.dist_flash_attn import balanced_schedule, split_rows
 
 
 def long_tailed_lengths(seq: int, rng: random.Random, median: int = 300, sigma: float = 1.4) -> list[int]:
@@ -51,7 +50,9 @@ def zigzag_work(mask: SequenceMask, seq: int, size: int, index=None) -> list[int
     layout = Layout(zigzag=True, ring_degree=size)
     key = "z" if index is None else "zs"
     index = index or [layout.local_indices(seq, r) for r in range(size)]
-    return [sum(computed(mask.blocks((key, r, s), index[r], index[s], "cpu")) for s in range(size)) for r in range(size)]
+    return [
+        sum(computed(mask.blocks((key, r, s), index[r], index[s], "cpu")) for s in range(size)) for r in range(size)
+    ]
 
 
 def dist_flash_work(mask: SequenceMask, seq: int, size: int, index=None) -> list[int]:
@@ -85,14 +86,19 @@ def main():
                 mask = packed_mask(lengths)
                 work = work_of(mask, args.seq, size)
                 plain.append(max(work) / max(1, min(work)))
-                index = [i[None] for i in split_documents(mask.first_key[0], torch.ones(args.seq, dtype=torch.bool), size,
-                                                           name == "zigzag_ring_attn")]  # (B=1, n) per rank, as the attention gets it
+                index = [
+                    i[None]
+                    for i in split_documents(
+                        mask.first_key[0], torch.ones(args.seq, dtype=torch.bool), size, name == "zigzag_ring_attn"
+                    )
+                ]  # (B=1, n) per rank, as the attention gets it
                 work = work_of(mask, args.seq, size, index)
                 split.append(max(work) / max(1, min(work)))
                 longest.append(max(lengths))
             mean = lambda x: sum(x) / len(x)  # noqa: E731
             cells = f"{mean(split):.3f} | {max(split):.3f}"
             print(f"| {name} | {size} | {mean(plain):.3f} | {max(plain):.3f} | {cells} | {mean(longest):.0f} |")
+
 
 if __name__ == "__main__":
     main()

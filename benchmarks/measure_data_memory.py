@@ -44,11 +44,29 @@ def write_dataset(folder: Path, rows: int, row_tokens: int, seed: int) -> float:
 
 
 def train(dataset: Path, out: Path, args) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py"),
-               "--dataset", str(dataset), "--seq-length", str(args.seq_length), "--max-train-steps", str(args.steps),
-               "--output-dir", str(out), "--log-with", "none"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "train.py"),
+        "--dataset",
+        str(dataset),
+        "--seq-length",
+        str(args.seq_length),
+        "--max-train-steps",
+        str(args.steps),
+        "--output-dir",
+        str(out),
+        "--log-with",
+        "none",
+    ]
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    result = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True
+    )
     if result.returncode:
         sys.exit(f"train.py failed on {dataset}:\n{result.stderr[-3000:]}")
     summary = json.loads((out / "train_summary.json").read_text())
@@ -79,8 +97,10 @@ def main():
         table.append((name, rows, size, result))
         shutil.rmtree(folder)
 
-    print(f"\ntrain.py, 2 processes, zigzag_ring_attn, --seq-length {args.seq_length}, {args.steps} steps, "
-          f"rows of {args.row_tokens} tokens (int32)\n")
+    print(
+        f"\ntrain.py, 2 processes, zigzag_ring_attn, --seq-length {args.seq_length}, {args.steps} steps, "
+        f"rows of {args.row_tokens} tokens (int32)\n"
+    )
     print("| dataset | rows | on disk (MB) | peak RSS rank 0 (MiB) | peak RSS rank 1 (MiB) | run (s) |")
     print("|---|---|---|---|---|---|")
     for name, rows, size, result in table:

@@ -27,7 +27,9 @@ class LiveTensorTrace(TorchDispatchMode):
         self._modules: list[str] = []
         self._hooks = []
         # storages that exist before the step (weights, buffers) are not the step's memory
-        self._preexisting = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())} if model is not None else set()
+        self._preexisting = (
+            {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())} if model is not None else set()
+        )
         if model is not None:
             for name, module in model.named_modules():
                 if name and name.count(".") <= 3:
@@ -77,8 +79,11 @@ class LiveTensorTrace(TorchDispatchMode):
         for size, label in self._peak_live.values():
             by_label[label] += size
         unit = f" | KiB/token ({tokens} tokens)" if tokens else ""
-        lines = [f"peak live tensor memory {self.peak / 2**20:.1f} MiB", f"| produced by (phase module op) | MiB{unit} |",
-                 "|---|---|" + ("---|" if tokens else "")]
+        lines = [
+            f"peak live tensor memory {self.peak / 2**20:.1f} MiB",
+            f"| produced by (phase module op) | MiB{unit} |",
+            "|---|---|" + ("---|" if tokens else ""),
+        ]
         for label, size in by_label.most_common(top):
             extra = f" | {size / 1024 / tokens:.2f}" if tokens else ""
             lines.append(f"| {label} | {size / 2**20:.1f}{extra} |")

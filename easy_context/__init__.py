@@ -24,13 +24,15 @@ Public API (everything a training or evaluation script needs):
     generate(mode, model, input_ids, attention_mask=None, **options_and_generate_kwargs)
 
 Package map (rooms; docs/architecture.md draws them):
-    core/       the engine, never imports transformers: kernels, masking, ring (the executor), p2p,
-                remat, layout, balance, groups, collectives, global_mask
-    modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in __init__
+    core/       the engine, never imports transformers: kernels, kernel_backends, masking, global_mask,
+                executor (rounds of units, prefetch, send-back), blocks, ring, p2p, collectives,
+                layout, balance, groups, remat
+    modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in
+                __init__, the pieces of their cost declarations in costs.py
     hf/         the transformers integration: context (SequenceParallel), api, patch, admission,
                 architectures, replicas, generation, trainer
     programs/   what train.py, eval_needle.py, eval_ppl.py and the planner need: launch, data/,
-                models, loss, tiled_mlp, needle, evaluation, plots, plan
+                models, loss, checkpointing, tiled_mlp, needle, evaluation, plots, plan/
     versions.py supported versions (pyproject's ranges) and the transformers APIs that changed
     old_paths.py  release 0.1's import paths (easy_context.hf, easy_context.zigzag_ring_attn, ...)
 """

@@ -56,8 +56,9 @@ class _Alias(importlib.abc.Loader):
         self.new = new
 
     def create_module(self, spec):
-        warnings.warn(f"{spec.name} moved to {self.new}; the old path goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{spec.name} moved to {self.new}; the old path goes in the next release", DeprecationWarning, stacklevel=2
+        )
         module = importlib.import_module(self.new)
         self.real_spec = module.__spec__
         return module
@@ -73,9 +74,9 @@ class _Alias(importlib.abc.Loader):
 class OldPaths(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path=None, target=None):
         prefix = PACKAGE + "."
-        if not fullname.startswith(prefix) or fullname[len(prefix):] not in MOVED:
+        if not fullname.startswith(prefix) or fullname[len(prefix) :] not in MOVED:
             return None
-        old = fullname[len(prefix):]
+        old = fullname[len(prefix) :]
         new = prefix + MOVED[old]
         # an old package whose submodules moved into one module (dist_flash_attn.schedule)
         has_children = any(name.startswith(old + ".") for name in MOVED)
@@ -84,5 +85,7 @@ class OldPaths(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
+    # First in line: under an aliased package (easy_context.data) the path finder would otherwise
+    # load a second copy of a submodule (easy_context.data.rows) from the new folder.
     if not any(isinstance(finder, OldPaths) for finder in sys.meta_path):
-        sys.meta_path.append(OldPaths())
+        sys.meta_path.insert(0, OldPaths())

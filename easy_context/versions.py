@@ -80,9 +80,11 @@ def check_supported(*packages: str) -> None:
             continue
         if supported(package, version):
             continue
-        message = (f"easy-context supports {requirement(package)}; {package} {version} is installed. "
-                   f"Install a supported release (pip install \"{requirement(package)}\"), or set "
-                   "EASY_CONTEXT_ALLOW_UNSUPPORTED=1 to try this one anyway.")
+        message = (
+            f"easy-context supports {requirement(package)}; {package} {version} is installed. "
+            f'Install a supported release (pip install "{requirement(package)}"), or set '
+            "EASY_CONTEXT_ALLOW_UNSUPPORTED=1 to try this one anyway."
+        )
         if os.environ.get("EASY_CONTEXT_ALLOW_UNSUPPORTED") == "1":
             warnings.warn(message, stacklevel=2)
         else:
@@ -118,13 +120,15 @@ def cache_keyword(model) -> str:
     return _cache_keyword(type(model))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_keyword(model_class) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
-    raise TypeError(f"{model_class.__name__}.forward takes neither cache= nor past_key_values=; it cannot decode with a KV cache")
+    raise TypeError(
+        f"{model_class.__name__}.forward takes neither cache= nor past_key_values=; it cannot decode with a KV cache"
+    )
 
 
 def output_cache(output):

@@ -17,12 +17,18 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForLanguageModeling, DataCollatorWithFlattening, Trainer,
-                          TrainingArguments)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DataCollatorForLanguageModeling,
+    DataCollatorWithFlattening,
+    Trainer,
+    TrainingArguments,
+)
 
 import easy_context as ec
-from easy_context.programs.launch import run_main, shutdown
 from easy_context.programs.data import byte_tokenizer, stdlib_source_files
+from easy_context.programs.launch import run_main, shutdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,20 +52,47 @@ def main():
     tokenizer = byte_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(0)  # every rank starts from the same weights
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "configs" / "tiny-llama"), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(ROOT / "configs" / "tiny-llama"), attn_implementation="sdpa"
+    )
     train_set, eval_set = documents(tokenizer, 400, 1024), documents(tokenizer, 8, 1024)
-    common = dict(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=4,
-                  per_device_eval_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=5,
-                  save_steps=10, eval_strategy="steps", eval_steps=10, report_to=[], use_cpu=not torch.cuda.is_available())
+    common = dict(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        logging_steps=5,
+        save_steps=10,
+        eval_strategy="steps",
+        eval_steps=10,
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+    )
     if args.sft:
         from trl import SFTConfig, SFTTrainer
 
-        trainer = SFTTrainer(model=model, args=SFTConfig(**common, packing=True, max_length=4096, bf16=False),
-                             train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer)
+        trainer = SFTTrainer(
+            model=model,
+            args=SFTConfig(**common, packing=True, max_length=4096, bf16=False),
+            train_dataset=train_set,
+            eval_dataset=eval_set,
+            processing_class=tokenizer,
+        )
     else:
-        collator = DataCollatorWithFlattening() if args.collator == "packed" else DataCollatorForLanguageModeling(tokenizer, mlm=False)
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=train_set, eval_dataset=eval_set,
-                          data_collator=collator)
+        collator = (
+            DataCollatorWithFlattening()
+            if args.collator == "packed"
+            else DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        )
+        trainer = Trainer(
+            model=model,
+            args=TrainingArguments(**common),
+            train_dataset=train_set,
+            eval_dataset=eval_set,
+            data_collator=collator,
+        )
 
     ec.prepare_trainer(args.mode, trainer)  # <- the one added line
 

@@ -37,14 +37,7 @@ SLOW = {
     "test_api": {
         "test_import_needs_only_torch_and_transformers",
     },
-    "test_architectures": {
-        "test_eval_needle_runs_gpt_oss_exactly",
-        "test_eval_ppl_runs_gemma2_exactly",
-        "test_every_architecture_in_bf16_is_within_the_unpatched_models_own_error",
-        "test_every_architecture_matches_single_process",
-        "test_train_py_trains_any_supported_type_like_data_parallel",
-        "test_usp_at_four_ranks_splits_sinks_softcap_and_mla_over_ulysses_and_ring",
-    },
+    "test_architectures_exact": ALL,
     "test_attention_functions": ALL,
     "test_bad_inputs": {
         "test_a_bad_replica_check_setting_is_refused_at_the_first_forward",
@@ -90,6 +83,7 @@ SLOW = {
     },
     "test_masked_models": ALL,
     "test_mixed_precision": ALL,
+    "test_model_types_scripts": ALL,
     "test_models": ALL,
     "test_plan": {
         "test_bad_input_messages",
@@ -128,7 +122,9 @@ def _is_slow(item) -> bool:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts processes (gloo ranks, torchrun, scripts); listed in conftest.SLOW")
+    config.addinivalue_line(
+        "markers", "slow: starts processes (gloo ranks, torchrun, scripts); listed in conftest.SLOW"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -192,8 +188,14 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 def _source_files() -> dict:
     """(modification time, size) of every Python file a test or one of its ranks may import or run."""
-    files = [*_ROOT.glob("*.py"), *(_ROOT / "easy_context").rglob("*.py"), *(_ROOT / "tests").rglob("*.py"),
-             *(_ROOT / "benchmarks").glob("*.py"), *(_ROOT / "tools").glob("*.py"), *(_ROOT / "examples").glob("*.py")]
+    files = [
+        *_ROOT.glob("*.py"),
+        *(_ROOT / "easy_context").rglob("*.py"),
+        *(_ROOT / "tests").rglob("*.py"),
+        *(_ROOT / "benchmarks").glob("*.py"),
+        *(_ROOT / "tools").glob("*.py"),
+        *(_ROOT / "examples").glob("*.py"),
+    ]
     return {str(f.relative_to(_ROOT)): (f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()}
 
 
@@ -210,6 +212,8 @@ def _sources_unchanged(request):
     now = _source_files()
     changed = sorted(name for name in set(now) | set(before) if now.get(name) != before.get(name))
     if changed:
-        pytest.fail(f"source files changed {'since the test session started' if slow else 'while this test ran'} "
-                    f"({changed[:5]}{' ...' if len(changed) > 5 else ''}): spawned ranks and scripts import them from "
-                    "disk, this process keeps what it imported, so the test compared mixed code; rerun the session")
+        pytest.fail(
+            f"source files changed {'since the test session started' if slow else 'while this test ran'} "
+            f"({changed[:5]}{' ...' if len(changed) > 5 else ''}): spawned ranks and scripts import them from "
+            "disk, this process keeps what it imported, so the test compared mixed code; rerun the session"
+        )

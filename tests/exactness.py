@@ -4,6 +4,7 @@ of a run against the single-process reference."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tiny_models import tiny_batch, tiny_model
 
 
 def step(model, input_ids, position_ids, target_ids, group=None, attention_mask=None):
@@ -11,7 +12,9 @@ def step(model, input_ids, position_ids, target_ids, group=None, attention_mask=
 
     Each rank back-propagates its own tokens' share; the full gradient is the sum over ranks.
     """
-    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = model(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+    ).logits
     loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target_ids.flatten(), ignore_index=-100, reduction="sum")
     stats = torch.stack([loss_sum.detach(), (target_ids != -100).sum().to(loss_sum.dtype)])
     if group is not None:
@@ -29,3 +32,12 @@ def errors(got, want):
         ((got[2][n] - want[2][n]).abs().max() / want[2][n].abs().max().clamp(min=1e-12)).item() for n in want[2]
     )
     return logits_err, loss_err, grad_err
+
+
+def architecture_reference(model_type, dtype=torch.float32, weights_dtype=None, seq=128, **overrides):
+    """The unpatched model on the whole sequence; weights_dtype=bf16 with dtype fp32: the bf16
+    model's rounded weights run in fp32 (the ground truth for bf16 errors)."""
+    input_ids, target_ids = tiny_batch(1, seq)
+    model = tiny_model(model_type, weights_dtype or dtype, **overrides).to(dtype)
+    logits, loss = step(model, input_ids, None, target_ids)
+    return logits, loss, {n: p.grad.float() for n, p in model.named_parameters()}

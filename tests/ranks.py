@@ -30,7 +30,10 @@ def require_deepspeed():
 def _entry(fn, rank, world_size, workdir, args):
     torch.set_num_threads(max(1, 2 // world_size))
     dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{workdir}/rendezvous",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=90),
     )
     try:
@@ -66,7 +69,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
         for r in range(world_size):
             path = f"{workdir}/error{r}.txt"
             if os.path.exists(path):
-                errors += f"--- rank {r} ---\n" + open(path).read()
+                with open(path) as f:
+                    errors += f"--- rank {r} ---\n" + f.read()
         if hung or errors or any(p.exitcode for p in procs):
             raise RuntimeError(
                 f"distributed run failed (hung ranks: {hung}, exit codes: {[p.exitcode for p in procs]})\n{errors}"

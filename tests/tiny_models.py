@@ -10,9 +10,15 @@ from easy_context.hf.architectures import attn_implementation as default_impl
 
 VOCAB = 128
 _COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-    attention_dropout=0.0, tie_word_embeddings=False,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
 )
 _CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON),
@@ -37,7 +43,9 @@ _ARCHITECTURES = {
     "gemma": dict(head_dim=16),
     # Larger weights: logits of order 1-10, where a softcap of 2 bends them (at the default
     # 0.02 init the logits stay far below the cap and softcapping changes nothing measurable).
-    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=2.0, initializer_range=0.2, **_ALTERNATING),
+    "gemma2": dict(
+        head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=2.0, initializer_range=0.2, **_ALTERNATING
+    ),
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, **_ALTERNATING),
     "phi3": dict(sliding_window=WINDOW),
     "olmo2": {},
@@ -48,9 +56,19 @@ _ARCHITECTURES = {
     "starcoder2": dict(sliding_window=WINDOW),
     "gpt_oss": dict(head_dim=16, **_MOE, **_ALTERNATING),
     "deepseek_v3": dict(
-        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
     ),
 }
 for _type, _extra in _ARCHITECTURES.items():

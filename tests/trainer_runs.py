@@ -25,9 +25,17 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config)
 
 
@@ -81,25 +89,54 @@ def train(rank: int, world: int, spec: dict) -> dict:
     train_set = Dataset.from_dict({"input_ids": documents(48, seed=1)})
     eval_set = Dataset.from_dict({"input_ids": documents(8, seed=2)})
     common = dict(
-        output_dir=spec["out"], per_device_train_batch_size=spec["batch"], per_device_eval_batch_size=spec.get("eval_batch", 2),
-        gradient_accumulation_steps=spec["accumulate"], max_steps=spec["steps"], learning_rate=0.5, optim="sgd",
-        lr_scheduler_type="linear", warmup_steps=0, logging_steps=1, save_steps=spec.get("save_steps") or spec["steps"] + 1,
-        save_strategy="steps" if spec.get("save_steps") else "no", report_to=[], use_cpu=True, seed=7,
-        dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=spec["out"],
+        per_device_train_batch_size=spec["batch"],
+        per_device_eval_batch_size=spec.get("eval_batch", 2),
+        gradient_accumulation_steps=spec["accumulate"],
+        max_steps=spec["steps"],
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        logging_steps=1,
+        save_steps=spec.get("save_steps") or spec["steps"] + 1,
+        save_strategy="steps" if spec.get("save_steps") else "no",
+        report_to=[],
+        use_cpu=True,
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     model = tiny_llama()
     if spec.get("sft"):
         from trl import SFTConfig, SFTTrainer
 
-        config = SFTConfig(**common, packing=spec["collator"] == "packed", padding_free=spec["collator"] == "padding-free",
-                           max_length=None if spec["collator"] == "padding-free" else 256, bf16=spec.get("bf16", False))
+        config = SFTConfig(
+            **common,
+            packing=spec["collator"] == "packed",
+            padding_free=spec["collator"] == "padding-free",
+            max_length=None if spec["collator"] == "padding-free" else 256,
+            bf16=spec.get("bf16", False),
+        )
         trainer_class = SFTTrainer if spec["mode"] else type("ReferenceSFTTrainer", (SeededShuffle, SFTTrainer), {})
-        trainer = trainer_class(model=model, args=config, train_dataset=train_set, eval_dataset=eval_set,
-                                processing_class=tokenizer(), callbacks=[RecordLoss()])
+        trainer = trainer_class(
+            model=model,
+            args=config,
+            train_dataset=train_set,
+            eval_dataset=eval_set,
+            processing_class=tokenizer(),
+            callbacks=[RecordLoss()],
+        )
     else:
         trainer_class = Trainer if spec["mode"] else type("ReferenceTrainer", (SeededShuffle, Trainer), {})
-        trainer = trainer_class(model=model, args=TrainingArguments(**common), train_dataset=train_set, eval_dataset=eval_set,
-                          data_collator=collator(spec["collator"]), callbacks=[RecordLoss()])
+        trainer = trainer_class(
+            model=model,
+            args=TrainingArguments(**common),
+            train_dataset=train_set,
+            eval_dataset=eval_set,
+            data_collator=collator(spec["collator"]),
+            callbacks=[RecordLoss()],
+        )
     if spec["mode"] is not None:
         ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
     trainer.train(resume_from_checkpoint=spec.get("resume"))

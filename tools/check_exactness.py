@@ -47,8 +47,11 @@ def recording_backends(names: set):
             names.add("?")
         return original(*args, **kwargs)
 
-    holders = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("easy_context")
-               and getattr(m, "attention_forward", None) is original]
+    holders = [
+        m
+        for m in list(sys.modules.values())
+        if getattr(m, "__name__", "").startswith("easy_context") and getattr(m, "attention_forward", None) is original
+    ]
     for module in holders:
         module.attention_forward = attention_forward
     try:
@@ -83,7 +86,9 @@ def errors(got, want):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="zigzag_ring_attn", choices=[m for m in ec.BUILT_MODES if m != "data_parallel"])
+    parser.add_argument(
+        "--mode", default="zigzag_ring_attn", choices=[m for m in ec.BUILT_MODES if m != "data_parallel"]
+    )
     parser.add_argument("--model-type", default="llama", choices=ec.SUPPORTED_MODEL_TYPES)
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--ring-degree", type=int, default=None)
@@ -100,12 +105,24 @@ def main():
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:  # before the process group: NCCL binds each rank to its own GPU (P2P may hang otherwise)
         torch.cuda.set_device(device)
-    bind = {"device_id": device} if cuda and "device_id" in inspect.signature(dist.init_process_group).parameters else {}
+    bind = (
+        {"device_id": device} if cuda and "device_id" in inspect.signature(dist.init_process_group).parameters else {}
+    )
     dist.init_process_group("nccl" if cuda else "gloo", **bind)
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = AutoConfig.for_model(args.model_type, vocab_size=1024, hidden_size=128, intermediate_size=256,
-                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, attention_dropout=0.0,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(
+        args.model_type,
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if hasattr(config, "kv_lora_rank"):  # MLA (DeepSeek-V3): one K/V head per query head
         config.num_key_value_heads = config.num_attention_heads
 
@@ -117,7 +134,9 @@ def main():
     tokens = torch.randint(0, 1024, (1, args.seq_length + 1), generator=torch.Generator().manual_seed(1))
     input_ids, target_ids = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     whole = lambda m, autocast=False: run(m, input_ids, None, target_ids, autocast)  # noqa: E731
-    local = ec.prepare_seq_parallel_inputs(args.mode, input_ids, None, target_ids, rank, world, device, ring_degree=args.ring_degree)
+    local = ec.prepare_seq_parallel_inputs(
+        args.mode, input_ids, None, target_ids, rank, world, device, ring_degree=args.ring_degree
+    )
     rows, ok = [], True
     for variant in variants:
         weights = torch.bfloat16 if variant == "bf16" else torch.float32
@@ -127,28 +146,53 @@ def main():
         baseline = errors(whole(model(weights), autocast), truth) if variant != "fp32" else None
         ec.apply_seq_parallel_monkey_patch(args.mode, args.model_type, ring_degree=args.ring_degree)
         with recording_backends(set()) as backends:
-            ours = run(model(weights), local["local_input_ids"], local["local_position_ids"], local["local_target_ids"],
-                       autocast, dist.group.WORLD)
+            ours = run(
+                model(weights),
+                local["local_input_ids"],
+                local["local_position_ids"],
+                local["local_target_ids"],
+                autocast,
+                dist.group.WORLD,
+            )
         ec.remove_seq_parallel_monkey_patch()
         ours = (ec.gather_seq_parallel_outputs(args.mode, ours[0], ring_degree=args.ring_degree), *ours[1:])
         error = errors(ours, truth)
         bounds = FP32_BOUNDS if baseline is None else tuple(2 * b + 1 / 256 for b in baseline)
         passed = all(e <= b for e, b in zip(error, bounds))
         ok &= passed
-        rows.append({"variant": variant, "backends": sorted(backends), "errors": dict(zip(METRICS, error)),
-                     "bounds": dict(zip(METRICS, bounds)), "ok": passed})
+        rows.append(
+            {
+                "variant": variant,
+                "backends": sorted(backends),
+                "errors": dict(zip(METRICS, error)),
+                "bounds": dict(zip(METRICS, bounds)),
+                "ok": passed,
+            }
+        )
 
     if rank == 0:
-        print(f"{args.mode} on {world} ranks ({device.type}, {dist.get_backend()}), {args.model_type}, {args.seq_length} tokens")
+        print(
+            f"{args.mode} on {world} ranks ({device.type}, {dist.get_backend()}), "
+            f"{args.model_type}, {args.seq_length} tokens"
+        )
         print(f"{'variant':9} {'kernels (q dtype)':22}{'logits':^19}{'loss':^19}{'grads (rel)':^19}  ok")
         for row in rows:
             cells = "".join(f" {row['errors'][m]:8.1e} <={row['bounds'][m]:7.1e}" for m in METRICS)
             print(f"{row['variant']:9} {','.join(row['backends']):22}{cells}  {'yes' if row['ok'] else 'NO'}")
         print("errors against fp32; bf16/autocast bounds: 2x the single-process model's own error + 1/256")
         if args.json:
-            report = {"mode": args.mode, "world_size": world, "device": device.type, "model_type": args.model_type,
-                      "seq_length": args.seq_length, "ring_degree": args.ring_degree, "ok": ok, "rows": rows,
-                      "torch": torch.__version__, "cuda_device": torch.cuda.get_device_name(device) if cuda else None}
+            report = {
+                "mode": args.mode,
+                "world_size": world,
+                "device": device.type,
+                "model_type": args.model_type,
+                "seq_length": args.seq_length,
+                "ring_degree": args.ring_degree,
+                "ok": ok,
+                "rows": rows,
+                "torch": torch.__version__,
+                "cuda_device": torch.cuda.get_device_name(device) if cuda else None,
+            }
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     shutdown()  # releases our groups and the process group (gloo can abort a bare teardown)

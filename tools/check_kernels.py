@@ -32,7 +32,7 @@ from easy_context.core import kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
-LSE_RELATIVE = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+LSE_RELATIVE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 HQ, HKV = 8, 2
 
 
@@ -50,8 +50,11 @@ def documents_mask(sq: int, sk: int, device) -> torch.Tensor:
 
 def cases(seq: int):
     """(name, Sq, Sk, causal, masked)."""
-    return [("causal", seq, seq, True, False), ("rectangular", seq // 2, seq, False, False),
-            ("documents", seq, seq, False, True)]
+    return [
+        ("causal", seq, seq, True, False),
+        ("rectangular", seq // 2, seq, False, False),
+        ("documents", seq, seq, False, True),
+    ]
 
 
 def sdpa(q, k, v, causal, scale, mask):
@@ -80,7 +83,7 @@ def max_error(got, want) -> float:
 def check(device, dtype, seq, head_dim):
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(0)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     for name, sq, sk, causal, masked in cases(seq):
         q = torch.randn(1, HQ, sq, head_dim, generator=gen).to(device, dtype)
@@ -98,25 +101,44 @@ def check(device, dtype, seq, head_dim):
             chosen = kernels.BACKENDS[backend]
             try:
                 out, lse = kernels.attention_forward(q, k, v, causal, scale, backend=chosen, mask=mask)
-                dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, causal, scale, backend=chosen, mask=mask)
+                dq, dk, dv = kernels.attention_backward(
+                    dout, q, k, v, out, lse, causal, scale, backend=chosen, mask=mask
+                )
             except Exception as exc:  # noqa: BLE001 - a backend that crashes is a failed row, not a stop
-                rows.append({"backend": backend, "dtype": str(dtype).removeprefix("torch."), "case": name,
-                             "ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+                rows.append(
+                    {
+                        "backend": backend,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "case": name,
+                        "ok": False,
+                        "error": f"{type(exc).__name__}: {exc}".splitlines()[0],
+                    }
+                )
                 continue
             errors = [max_error(x, w) for x, w in zip((out, dq, dk, dv), (want[0], *want[2:]))]
             lse_error = ((lse.double() - want[1]).abs() / want[1].abs().clamp(min=1)).max().item()
             ok = all(e <= b for e, b in zip(errors, bounds)) and lse_error <= LSE_RELATIVE[dtype]
-            rows.append({"backend": backend, "dtype": str(dtype).removeprefix("torch."), "case": name, "ok": ok,
-                         "errors": dict(zip(("out", "dq", "dk", "dv"), errors)), "lse_relative": lse_error,
-                         "sdpa_errors": dict(zip(("out", "dq", "dk", "dv"), ref)),
-                         "bounds": dict(zip(("out", "dq", "dk", "dv"), bounds))})
+            rows.append(
+                {
+                    "backend": backend,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "case": name,
+                    "ok": ok,
+                    "errors": dict(zip(("out", "dq", "dk", "dv"), errors)),
+                    "lse_relative": lse_error,
+                    "sdpa_errors": dict(zip(("out", "dq", "dk", "dv"), ref)),
+                    "bounds": dict(zip(("out", "dq", "dk", "dv"), bounds)),
+                }
+            )
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--dtypes", default=None, help="comma separated from fp32,bf16,fp16 (default: all on CUDA, fp32,bf16 on CPU)")
+    parser.add_argument(
+        "--dtypes", default=None, help="comma separated from fp32,bf16,fp16 (default: all on CUDA, fp32,bf16 on CPU)"
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per block (default 1024 on CUDA, 256 on CPU)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--json", default=None, metavar="PATH")
@@ -134,16 +156,28 @@ def main(argv=None) -> int:
 
     rows = [row for n in names for row in check(device, DTYPES[n], seq, args.head_dim)]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"kernel backends vs fp64 on {where}, torch {torch.__version__}, S={seq}, {HQ}x{args.head_dim} heads, {HKV} KV heads")
-    print(f"{'backend':15}{'dtype':10}{'case':13}{'out':>9}{'dq':>9}{'dk':>9}{'dv':>9}{'lse rel':>9}  (sdpa: out dq dk dv)  ok")
+    print(
+        f"kernel backends vs fp64 on {where}, torch {torch.__version__}, S={seq}, "
+        f"{HQ}x{args.head_dim} heads, {HKV} KV heads"
+    )
+    print(
+        f"{'backend':15}{'dtype':10}{'case':13}{'out':>9}{'dq':>9}{'dk':>9}{'dv':>9}{'lse rel':>9}"
+        "  (sdpa: out dq dk dv)  ok"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['backend']:15}{r['dtype']:10}{r['case']:13} FAILED: {r['error']}")
             continue
         e, s = r["errors"], r["sdpa_errors"]
-        print(f"{r['backend']:15}{r['dtype']:10}{r['case']:13}" + "".join(f"{e[m]:9.1e}" for m in e)
-              + f"{r['lse_relative']:9.1e}  ({' '.join(f'{s[m]:.0e}' for m in s)})  {'yes' if r['ok'] else 'NO'}")
-    print("bound per column: 2x torch SDPA's own error in that dtype + 1e-5 (fp32) / 1e-3 (half); lse relative 1e-5 (fp32), 2^-8 (bf16), 2^-11 (fp16)")
+        print(
+            f"{r['backend']:15}{r['dtype']:10}{r['case']:13}"
+            + "".join(f"{e[m]:9.1e}" for m in e)
+            + f"{r['lse_relative']:9.1e}  ({' '.join(f'{s[m]:.0e}' for m in s)})  {'yes' if r['ok'] else 'NO'}"
+        )
+    print(
+        "bound per column: 2x torch SDPA's own error in that dtype + 1e-5 (fp32) / 1e-3 (half); "
+        "lse relative 1e-5 (fp32), 2^-8 (bf16), 2^-11 (fp16)"
+    )
     ok = bool(rows) and all(r["ok"] for r in rows)
     if args.json:
         with open(args.json, "w") as f:

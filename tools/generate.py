@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
-from easy_context.programs.evaluation import load_scorer, resolve_model
 from easy_context.hf.generation import kv_bytes
+from easy_context.programs.evaluation import load_scorer, resolve_model
 from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
 from easy_context.programs.launch import fail as launch_fail
 from easy_context.versions import output_cache
@@ -54,7 +54,12 @@ def parse_args(argv=None):
     flag("top_p", type=float, default=None)
     flag("top_k", type=int, default=None)
     flag("seed", type=int, default=0, help="the same on every rank, so sampling agrees")
-    flag("dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
+    flag(
+        "dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bf16 on CUDA, fp32 on CPU",
+    )
     flag("rope_theta", type=float, default=None, help="override the model's RoPE base")
     add_dist_timeout_flag(p)
     args = p.parse_args(argv)
@@ -108,27 +113,51 @@ def run(args, accelerator, stage: Stage):
         from transformers import AutoTokenizer
 
         ids = AutoTokenizer.from_pretrained(source)(text, return_tensors="pt")["input_ids"]
-        scorer, tokenizer = load_scorer(accelerator, source, args.parallel_mode, max_length=ids.shape[1] + args.max_new_tokens,
-                                        sp_size=args.sp_size, ring_degree=args.ring_degree, rope_theta=args.rope_theta,
-                                        dtype=args.dtype)
+        scorer, tokenizer = load_scorer(
+            accelerator,
+            source,
+            args.parallel_mode,
+            max_length=ids.shape[1] + args.max_new_tokens,
+            sp_size=args.sp_size,
+            ring_degree=args.ring_degree,
+            rope_theta=args.rope_theta,
+            dtype=args.dtype,
+        )
     except (ValueError, OSError) as error:
         fail(str(error))
     echo = TextStreamer(tokenizer, skip_prompt=True) if accelerator.is_main_process else None
     timer = Timer(echo)
-    sampling = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k") if getattr(args, name) is not None}
+    sampling = {
+        name: getattr(args, name) for name in ("temperature", "top_p", "top_k") if getattr(args, name) is not None
+    }
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(args.seed)
     stage.at(f"generating from a {ids.shape[1]}-token prompt")
     start = time.perf_counter()
-    output = ec.generate(args.parallel_mode, scorer.model, ids.to(scorer.device), max_new_tokens=args.max_new_tokens,
-                         do_sample=args.do_sample, pad_token_id=pad, streamer=timer, synced_gpus=scorer.lockstep,
-                         return_dict_in_generate=True, sp_size=args.sp_size, ring_degree=args.ring_degree, **sampling)
+    output = ec.generate(
+        args.parallel_mode,
+        scorer.model,
+        ids.to(scorer.device),
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        pad_token_id=pad,
+        streamer=timer,
+        synced_gpus=scorer.lockstep,
+        return_dict_in_generate=True,
+        sp_size=args.sp_size,
+        ring_degree=args.ring_degree,
+        **sampling,
+    )
     new = output.sequences.shape[1] - ids.shape[1]
     if accelerator.is_main_process:
         first, rest = timer.times[1] - start, timer.times[-1] - timer.times[1]  # times[0]: the prompt
-        print(f"\n[{ids.shape[1]} prompt tokens, {args.parallel_mode} over {accelerator.num_processes} process(es): first "
-              f"token after {first:.2f} s (prefill), then {new - 1} tokens in {rest:.2f} s ({(new - 1) / max(rest, 1e-9):.1f} "
-              f"tokens/s); K/V cache on this rank {kv_bytes(output_cache(output)) / 2**20:.1f} MiB]", file=sys.stderr)
+        print(
+            f"\n[{ids.shape[1]} prompt tokens, {args.parallel_mode} over {accelerator.num_processes} process(es): "
+            f"first token after {first:.2f} s (prefill), then {new - 1} tokens in {rest:.2f} s "
+            f"({(new - 1) / max(rest, 1e-9):.1f} tokens/s); "
+            f"K/V cache on this rank {kv_bytes(output_cache(output)) / 2**20:.1f} MiB]",
+            file=sys.stderr,
+        )
     ec.remove_seq_parallel_monkey_patch()
     return output.sequences
 

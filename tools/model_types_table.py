@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Print the README's model-type tables from easy_context/hf/architectures.py (one list).
 
-    python -m tools.model_types_table
+python -m tools.model_types_table
 """
 
 from easy_context.hf.architectures import markdown_tables

@@ -65,33 +65,64 @@ def bench_options(config: str):
 
 def measured_rows(extra_csvs):
     rows = []
-    for r in csv.DictReader(open(os.path.join(ROOT, "docs", "bench_train.csv"))):
-        rows.append({"config": r["config"], "seq": int(r["seq"]), "vocab": 32000, "absolute_mib": float(r["absolute_mib"]),
-                     "step_mib": float(r["peak_mib"]), "source": "docs/bench_train.csv"})
-    for r in csv.DictReader(open(os.path.join(ROOT, "docs", "bench_train_fit.csv"))):
-        if r.get("verify_tokens"):
-            rows.append({"config": r["config"], "seq": int(r["verify_tokens"]), "vocab": 32000,
-                         "absolute_mib": float(r["verify_mib"]), "step_mib": None, "source": "docs/bench_train_fit.csv (verify)"})
+    with open(os.path.join(ROOT, "docs", "bench_train.csv")) as f:
+        for r in csv.DictReader(f):
+            rows.append(
+                {
+                    "config": r["config"],
+                    "seq": int(r["seq"]),
+                    "vocab": 32000,
+                    "absolute_mib": float(r["absolute_mib"]),
+                    "step_mib": float(r["peak_mib"]),
+                    "source": "docs/bench_train.csv",
+                }
+            )
+    with open(os.path.join(ROOT, "docs", "bench_train_fit.csv")) as f:
+        for r in csv.DictReader(f):
+            if r.get("verify_tokens"):
+                rows.append(
+                    {
+                        "config": r["config"],
+                        "seq": int(r["verify_tokens"]),
+                        "vocab": 32000,
+                        "absolute_mib": float(r["verify_mib"]),
+                        "step_mib": None,
+                        "source": "docs/bench_train_fit.csv (verify)",
+                    }
+                )
     rows += [{**r, "source": "MEASURED (validate_plan.py)"} for r in MEASURED]
     for path in extra_csvs or []:
         vocab = 32000
-        for r in csv.DictReader(open(path)):
-            if r.get("absolute_mib"):
-                rows.append({"config": r["config"], "seq": int(r["seq"]), "vocab": int(r.get("vocab") or vocab),
-                             "absolute_mib": float(r["absolute_mib"]), "step_mib": float(r["peak_mib"]),
-                             "source": os.path.basename(path)})
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                if r.get("absolute_mib"):
+                    rows.append(
+                        {
+                            "config": r["config"],
+                            "seq": int(r["seq"]),
+                            "vocab": int(r.get("vocab") or vocab),
+                            "absolute_mib": float(r["absolute_mib"]),
+                            "step_mib": float(r["peak_mib"]),
+                            "source": os.path.basename(path),
+                        }
+                    )
     return rows
 
 
 def table_measured(extra_csvs=None, vocab_of_csv=None):
     device = get_device("cpu")
     print("### 1. Per-rank absolute peak, measured (benchmarks/bench_train.py, CPU, fp32) vs predicted\n")
-    print("| config | S | vocab | measured MiB | predicted MiB | error | step: measured / predicted MiB | peak phase (predicted) | source |")
+    print(
+        "| config | S | vocab | measured MiB | predicted MiB | error | step: measured / predicted MiB | "
+        "peak phase (predicted) | source |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     errors = []
     for r in measured_rows(extra_csvs):
         vocab = vocab_of_csv.get(r["source"], r["vocab"]) if vocab_of_csv else r["vocab"]
-        model = PRESETS["tiny-bench"].__class__(**{**PRESETS["tiny-bench"].__dict__, "vocab": vocab, "name": "tiny-bench"})
+        model = PRESETS["tiny-bench"].__class__(
+            **{**PRESETS["tiny-bench"].__dict__, "vocab": vocab, "name": "tiny-bench"}
+        )
         options, world = bench_options(r["config"])
         e = estimate(model, r["seq"], world, options, device, "fp32", persistent_grads=False)
         pred = e["peak_bytes"] / MIB
@@ -101,39 +132,90 @@ def table_measured(extra_csvs=None, vocab_of_csv=None):
         # the step alone: the peak above the RSS of the built model (runtime and weights excluded)
         step_pred = pred - device.runtime_gib * 1024 - 4 * model.params / MIB
         step = f"{r['step_mib']:.0f} / {step_pred:.0f}" if r.get("step_mib") else "- / -"
-        print(f"| {r['config']} | {r['seq']} | {vocab} | {r['absolute_mib']:.0f} | {pred:.0f} | {err:+.1%}{flag} | {step} | "
-              f"{e['peak_phase']} | {r['source']} |")
-    print(f"\n{len(errors)} rows; largest |error| {max(abs(e) for e in errors):.1%}; "
-          f"{sum(abs(e) > 0.15 for e in errors)} outside 15%\n")
+        print(
+            f"| {r['config']} | {r['seq']} | {vocab} | {r['absolute_mib']:.0f} | {pred:.0f} | {err:+.1%}{flag} | "
+            f"{step} | "
+            f"{e['peak_phase']} | {r['source']} |"
+        )
+    print(
+        f"\n{len(errors)} rows; largest |error| {max(abs(e) for e in errors):.1%}; "
+        f"{sum(abs(e) > 0.15 for e in errors)} outside 15%\n"
+    )
     return errors
 
 
 # Published runs: (what, model, seq, gpus, gpu, options, published verdict, note)
 PUBLISHED = [
-    ("EasyContext: Llama-2-7B, 700K, 8 x A100-80GB", "llama-2-7b", 700_000, 8, "a100-80g",
-     Options("zigzag_ring_attn", 8, 8, True, False, 0, 4096, "zero3-offload"), True,
-     "zigzag ring, checkpointing, ZeRO-3 offload; their fused CE stood in by 4096-token loss chunks"),
-    ("ALST: Llama-3-8B, 500K, 1 x H100-80GB", "llama-3-8b", 500_000, 1, "h100-80g",
-     Options("data_parallel", 1, 1, True, True, 4096, 1024, "zero3-offload"), True,
-     "tiled MLP, tiled loss, checkpoints offloaded, ZeRO-3 offload (one GPU: no SP)"),
-    ("ALST: Llama-3-8B, 3.7M, 8 x H100-80GB", "llama-3-8b", 3_700_000, 8, "h100-80g",
-     Options("ulysses_attn", 8, 1, True, True, 4096, 1024, "zero3-offload"), True,
-     "Ulysses sp 8, tiled MLP, tiled loss, checkpoints offloaded, ZeRO-3 offload"),
-    ("HF baseline: Llama-3-8B, 32K, 1 x H100-80GB", "llama-3-8b", 32_768, 1, "h100-80g",
-     Options("data_parallel", 1, 1, True, False, 0, 0, "zero3-offload"), True,
-     "ALST's baseline reached 32K (500K = 16x, 3.7M = 116x it); assumed: checkpointing on, HF loss on full logits, ZeRO-3 offload"),
-    ("HF baseline: Llama-3-8B, 64K, 1 x H100-80GB", "llama-3-8b", 65_536, 1, "h100-80g",
-     Options("data_parallel", 1, 1, True, False, 0, 0, "zero3-offload"), False,
-     "ALST: 'over 32K runs out of memory' on the basic HF model; same assumptions"),
-    ("HF baseline without checkpointing: Llama-3-8B, 32K, 1 x H100-80GB", "llama-3-8b", 32_768, 1, "h100-80g",
-     Options("data_parallel", 1, 1, False, False, 0, 0, "zero3-offload"), None,
-     "not published: shows why the baseline must have had checkpointing"),
+    (
+        "EasyContext: Llama-2-7B, 700K, 8 x A100-80GB",
+        "llama-2-7b",
+        700_000,
+        8,
+        "a100-80g",
+        Options("zigzag_ring_attn", 8, 8, True, False, 0, 4096, "zero3-offload"),
+        True,
+        "zigzag ring, checkpointing, ZeRO-3 offload; their fused CE stood in by 4096-token loss chunks",
+    ),
+    (
+        "ALST: Llama-3-8B, 500K, 1 x H100-80GB",
+        "llama-3-8b",
+        500_000,
+        1,
+        "h100-80g",
+        Options("data_parallel", 1, 1, True, True, 4096, 1024, "zero3-offload"),
+        True,
+        "tiled MLP, tiled loss, checkpoints offloaded, ZeRO-3 offload (one GPU: no SP)",
+    ),
+    (
+        "ALST: Llama-3-8B, 3.7M, 8 x H100-80GB",
+        "llama-3-8b",
+        3_700_000,
+        8,
+        "h100-80g",
+        Options("ulysses_attn", 8, 1, True, True, 4096, 1024, "zero3-offload"),
+        True,
+        "Ulysses sp 8, tiled MLP, tiled loss, checkpoints offloaded, ZeRO-3 offload",
+    ),
+    (
+        "HF baseline: Llama-3-8B, 32K, 1 x H100-80GB",
+        "llama-3-8b",
+        32_768,
+        1,
+        "h100-80g",
+        Options("data_parallel", 1, 1, True, False, 0, 0, "zero3-offload"),
+        True,
+        "ALST's baseline reached 32K (500K = 16x, 3.7M = 116x it); "
+        "assumed: checkpointing on, HF loss on full logits, ZeRO-3 offload",
+    ),
+    (
+        "HF baseline: Llama-3-8B, 64K, 1 x H100-80GB",
+        "llama-3-8b",
+        65_536,
+        1,
+        "h100-80g",
+        Options("data_parallel", 1, 1, True, False, 0, 0, "zero3-offload"),
+        False,
+        "ALST: 'over 32K runs out of memory' on the basic HF model; same assumptions",
+    ),
+    (
+        "HF baseline without checkpointing: Llama-3-8B, 32K, 1 x H100-80GB",
+        "llama-3-8b",
+        32_768,
+        1,
+        "h100-80g",
+        Options("data_parallel", 1, 1, False, False, 0, 0, "zero3-offload"),
+        None,
+        "not published: shows why the baseline must have had checkpointing",
+    ),
 ]
 
 
 def table_published(margin: float = 0.10):
     print("### 2. Published fit / no-fit vs predicted (bf16)\n")
-    print("| run | published | predicted peak GiB/GPU | GPU GiB | predicted (peak <= memory) | with 10% margin | agrees | peak phase | assumptions |")
+    print(
+        "| run | published | predicted peak GiB/GPU | GPU GiB | predicted (peak <= memory) | with 10% margin | "
+        "agrees | peak phase | assumptions |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     verdicts = []
     for what, name, seq, gpus, gpu, options, published, note in PUBLISHED:
@@ -145,19 +227,29 @@ def table_published(margin: float = 0.10):
         agree = "" if published is None else ("yes" if fit == published else "NO")
         pub = "n/a" if published is None else ("fits" if published else "OOM")
         verdicts.append((what, published, fit, margin_fit, peak))
-        print(f"| {what} | {pub} | {peak:.1f} | {device.memory_gib:.0f} | {'fit' if fit else 'no fit'} | "
-              f"{'fit' if margin_fit else 'no fit'} | {agree} | {e['peak_phase']} | {note} |")
+        print(
+            f"| {what} | {pub} | {peak:.1f} | {device.memory_gib:.0f} | {'fit' if fit else 'no fit'} | "
+            f"{'fit' if margin_fit else 'no fit'} | {agree} | {e['peak_phase']} | {note} |"
+        )
     print()
     return verdicts
 
 
 # EasyContext README: Llama-2-7B on 8 x A100-80GB, zigzag ring (64K DP: data parallel), tokens/s
-EASYCONTEXT_SPEED = [(65536, "data_parallel", 10240), (65536, "zigzag_ring_attn", 7816), (131072, "zigzag_ring_attn", 4266),
-                     (524288, "zigzag_ring_attn", 2133), (700_000, "zigzag_ring_attn", 1603)]
+EASYCONTEXT_SPEED = [
+    (65536, "data_parallel", 10240),
+    (65536, "zigzag_ring_attn", 7816),
+    (131072, "zigzag_ring_attn", 4266),
+    (524288, "zigzag_ring_attn", 2133),
+    (700_000, "zigzag_ring_attn", 1603),
+]
 
 
 def table_throughput():
-    print("### 3. Roofline tokens/s vs EasyContext's published (Llama-2-7B, 8 x A100-80GB, checkpointing, ZeRO-3 offload)\n")
+    print(
+        "### 3. Roofline tokens/s vs EasyContext's published "
+        "(Llama-2-7B, 8 x A100-80GB, checkpointing, ZeRO-3 offload)\n"
+    )
     print("| S | mode | published tokens/s | predicted tokens/s | ratio | bound by |")
     print("|---|---|---|---|---|---|")
     device, model = get_device("a100-80g"), PRESETS["llama-2-7b"]
@@ -165,7 +257,10 @@ def table_throughput():
         sp = 1 if mode == "data_parallel" else 8
         o = Options(mode, sp, sp, True, False, 0, 4096, "zero3-offload")
         t = throughput(model, seq, 8, o, device)
-        print(f"| {seq} | {mode} | {published} | {t['tokens_per_s']:.0f} | {t['tokens_per_s'] / published:.2f} | {t['limiter']} |")
+        print(
+            f"| {seq} | {mode} | {published} | {t['tokens_per_s']:.0f} | {t['tokens_per_s'] / published:.2f} | "
+            f"{t['limiter']} |"
+        )
     print()
 
 
@@ -175,8 +270,14 @@ def saved_bytes_per_token(hidden, inter, heads, kv_heads, dtype):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
     layer, params = model.model.layers[0], {p.untyped_storage().data_ptr() for p in model.parameters()}
 

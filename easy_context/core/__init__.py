@@ -1,15 +1,18 @@
 """The engine: exact attention over shards of one sequence. Never imports transformers.
 
-    kernels.py   a local attention block -> (out, lse) and its backward; CPU/CUDA backends, masks
-    masking.py   documents, padding and windows described once; the kernel calls they imply
-    blocks.py    a query shard over kernel blocks: fp32 log-sum-exp merging, sinks, exact backward
-    executor.py  the one executor: rounds of (query owner, K/V owner, worker, rows) units, with
-                 prefetch and send-back; forward, backward, recompute-free checkpointing
-    ring.py      the ring as an executor plan (zigzag and masked ring plans build on it)
-    p2p.py       batched point-to-point exchange with prefetch
-    remat.py     recompute-free checkpointing (attention outputs kept for the backward)
-    layout.py    how tokens are split over an SP group (zigzag/contiguous x Ulysses), and the
-                 per-row layout of document_split
-    balance.py   document_split: a layout per packed row that balances the ranks' work
-    groups.py    world = dp x sp, sp = ring x ulysses; process groups created once
+kernels.py   a local attention block -> (out, lse) and its backward: backend choice, checks
+kernel_backends.py  the backends (math, cpu_flash, cuda_flash, cuda_efficient, flash_attn)
+masking.py   documents, padding and windows described once; the kernel calls they imply
+global_mask.py  the whole-sequence mask from every rank's shard (one all-gather per forward)
+blocks.py    a query shard over kernel blocks: fp32 log-sum-exp merging, sinks, exact backward
+executor.py  the one executor: rounds of (query owner, K/V owner, worker, rows) units, with
+             prefetch and send-back; forward, backward, recompute-free checkpointing
+ring.py      the ring as an executor plan (zigzag and masked ring plans build on it)
+p2p.py       batched point-to-point exchange with prefetch
+collectives.py  all-gather and the same-data-on-every-rank check, written once
+remat.py     recompute-free checkpointing (attention outputs kept for the backward)
+layout.py    how tokens are split over an SP group (zigzag/contiguous x Ulysses), and the
+             per-row layout of document_split
+balance.py   document_split: a layout per packed row that balances the ranks' work
+groups.py    world = dp x sp, sp = ring x ulysses; process groups created once
 """

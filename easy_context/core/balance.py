@@ -23,7 +23,9 @@ def _documents(first_key_row: torch.Tensor, valid_row: torch.Tensor) -> list[tup
     return [(a, b - a) for a, b in zip(starts, starts[1:] + [end])]
 
 
-def split_documents(first_key_row: torch.Tensor, valid_row: torch.Tensor, ring_degree: int, zigzag: bool = True) -> list[torch.Tensor]:
+def split_documents(
+    first_key_row: torch.Tensor, valid_row: torch.Tensor, ring_degree: int, zigzag: bool = True
+) -> list[torch.Tensor]:
     """A layout of its own for one packed row (document_split): every document is cut into
     pieces in order and spread over the R ring ranks the way the static layout spreads one
     causal row: zigzag, 2R pieces with rank r keeping pieces r and 2R-1-r; contiguous
@@ -46,7 +48,7 @@ def split_documents(first_key_row: torch.Tensor, valid_row: torch.Tensor, ring_d
             turn += 1
         at = start
         for piece, size in enumerate(sizes):
-            owner[at:at + size] = rank_of_piece[piece]
+            owner[at : at + size] = rank_of_piece[piece]
             at += size
     padding = torch.nonzero(~valid_row).flatten()
     counts = torch.bincount(owner[valid_row], minlength=ring_degree)

@@ -8,7 +8,7 @@ Nothing here communicates.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -16,8 +16,15 @@ from easy_context.core.kernels import accumulation_dtype, attention_backward, at
 from easy_context.core.masking import FULL_ROWS, Block
 
 __all__ = [
-    "Kernels", "merge_block", "forward_blocks", "backward_blocks", "finish_forward", "empty_state", "fold_sinks",
-    "sinks_grad", "safe_lse",
+    "Kernels",
+    "merge_block",
+    "forward_blocks",
+    "backward_blocks",
+    "finish_forward",
+    "empty_state",
+    "fold_sinks",
+    "sinks_grad",
+    "safe_lse",
 ]
 
 
@@ -58,8 +65,14 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
     acc = accumulation_dtype(q.dtype)
     for block in blocks:
         block_out, block_lse = attention_forward(
-            _part(q, block, block.q), _part(k, block, block.kv), _part(v, block, block.kv),
-            block.causal, scale, kernels(block), mask=block.mask, softcap=kernels.softcap,
+            _part(q, block, block.q),
+            _part(k, block, block.kv),
+            _part(v, block, block.kv),
+            block.causal,
+            scale,
+            kernels(block),
+            mask=block.mask,
+            softcap=kernels.softcap,
         )
         if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
             out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
@@ -119,7 +132,9 @@ def _accumulate(total, block: Block, rows: slice, block_grad, like, acc):
     return total
 
 
-def backward_blocks(dout, q, k, v, out, lse, blocks: Sequence[Block], scale, kernels: Kernels, grads=(None, None, None)):
+def backward_blocks(
+    dout, q, k, v, out, lse, blocks: Sequence[Block], scale, kernels: Kernels, grads=(None, None, None)
+):
     """Gradients of forward_blocks given the global out/lse of q's rows, added to grads =
     (dq, dk, dv) fp32 accumulators (None: not started); returns the new grads."""
     dq, dk, dv = grads
@@ -127,8 +142,16 @@ def backward_blocks(dout, q, k, v, out, lse, blocks: Sequence[Block], scale, ker
     for block in blocks:
         rows = block.q
         block_dq, block_dk, block_dv = attention_backward(
-            _part(dout, block, rows), _part(q, block, rows), _part(k, block, block.kv), _part(v, block, block.kv),
-            _part(out, block, rows), lse[block.batch, :, rows], block.causal, scale, kernels(block), mask=block.mask,
+            _part(dout, block, rows),
+            _part(q, block, rows),
+            _part(k, block, block.kv),
+            _part(v, block, block.kv),
+            _part(out, block, rows),
+            lse[block.batch, :, rows],
+            block.causal,
+            scale,
+            kernels(block),
+            mask=block.mask,
             softcap=kernels.softcap,
         )
         dq = _accumulate(dq, block, rows, block_dq, q, acc)

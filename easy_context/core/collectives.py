@@ -6,7 +6,7 @@ require it), and every rank reaches the same verdict, so no rank is left waiting
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ def all_gather(local: torch.Tensor, group) -> list:
     return pieces
 
 
-def fingerprint(x: Optional[torch.Tensor], device) -> torch.Tensor:
+def fingerprint(x: torch.Tensor | None, device) -> torch.Tensor:
     """(number of elements, rows, columns, position-weighted sum) in float64: equal tensors give
     equal fingerprints, and a changed, moved or reshaped value changes them. Position weights
     cycle below 9973 so that the sum of token ids stays exact in float64."""
@@ -42,11 +42,16 @@ def fingerprint(x: Optional[torch.Tensor], device) -> torch.Tensor:
     shape = [float(s) for s in (list(x.shape) + [0, 0])[:2]] if x.dim() else [0.0, 0.0]
     weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=device).remainder_(9973).add_(1)
     summary = (x.flatten().double() * weights).sum()
-    return torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=device),
-                        *(torch.tensor(s, dtype=torch.float64, device=device) for s in shape), summary])
+    return torch.stack(
+        [
+            torch.tensor(float(x.numel()), dtype=torch.float64, device=device),
+            *(torch.tensor(s, dtype=torch.float64, device=device) for s in shape),
+            summary,
+        ]
+    )
 
 
-def check_same(group, tensors: Sequence[Optional[torch.Tensor]], error: Callable[[list], str], device=None) -> None:
+def check_same(group, tensors: Sequence[torch.Tensor | None], error: Callable[[list], str], device=None) -> None:
     """Raise ValueError(error(shapes)) on every rank of `group` unless every rank holds the same
     `tensors` (None counts as a value); shapes: the first tensor's (rows, columns) by rank. One
     all-gather of 4 numbers per tensor."""

@@ -22,13 +22,21 @@ checkpointing inside the backward takes the layer's stored output instead of att
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from easy_context.core.blocks import (
-    Kernels, backward_blocks, empty_state, finish_forward, forward_blocks, merge_block, safe_lse, sinks_grad,
+    Kernels,
+    backward_blocks,
+    empty_state,
+    finish_forward,
+    forward_blocks,
+    merge_block,
+    safe_lse,
+    sinks_grad,
 )
 from easy_context.core.kernels import accumulation_dtype
 from easy_context.core.masking import Block
@@ -130,7 +138,15 @@ class _Run:
         q_template = lambda u: [(self.rows(u, x), None) for x in q_side]  # noqa: E731
         kv_template = lambda u: [(x, None) for x in kv]  # noqa: E731
         return (
-            _transfer(self.group, self.me, units, _q_owner, _worker, lambda i, u: [self.rows(u, x) for x in q_side], q_template),
+            _transfer(
+                self.group,
+                self.me,
+                units,
+                _q_owner,
+                _worker,
+                lambda i, u: [self.rows(u, x) for x in q_side],
+                q_template,
+            ),
             _transfer(self.group, self.me, units, _kv_owner, _worker, lambda i, u: list(kv), kv_template),
         )
 
@@ -168,7 +184,9 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
                 continue
             uk, uv = fetched_kv.get(i, (k, v))
             if u.q_owner == me:
-                state = forward_blocks(q, uk, uv, _shifted(plan.blocks(u), plan.rows(u), q.shape[2]), scale, kernels, state)
+                state = forward_blocks(
+                    q, uk, uv, _shifted(plan.blocks(u), plan.rows(u), q.shape[2]), scale, kernels, state
+                )
             else:
                 uq = fetched_q[i][0]
                 results[i] = list(finish_forward(uq, forward_blocks(uq, uk, uv, plan.blocks(u), scale, kernels)))
@@ -176,10 +194,18 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
             merge_returned(returning)
         returning = None
         if any(u.worker != u.q_owner for u in units):
-            returning = (units, _transfer(
-                run.group, me, units, _worker, _q_owner, lambda i, u: results[i],
-                lambda u: [(run.rows(u, q), None), (run.rows(u, lse_like), None)],
-            ))
+            returning = (
+                units,
+                _transfer(
+                    run.group,
+                    me,
+                    units,
+                    _worker,
+                    _q_owner,
+                    lambda i, u, results=results: results[i],
+                    lambda u: [(run.rows(u, q), None), (run.rows(u, lse_like), None)],
+                ),
+            )
     if returning is not None:
         merge_returned(returning)
     return finish_forward(q, state, sinks)
@@ -211,13 +237,33 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
             own_kv = u.kv_owner == me
             if u.q_owner == me:
                 blocks = _shifted(plan.blocks(u), plan.rows(u), q.shape[2])
-                dq, dk, dv = backward_blocks(dout, q, uk, uv, out, lse, blocks, scale, kernels,
-                                             (grads[0], *(grads[1:] if own_kv else (None, None))))
+                dq, dk, dv = backward_blocks(
+                    dout,
+                    q,
+                    uk,
+                    uv,
+                    out,
+                    lse,
+                    blocks,
+                    scale,
+                    kernels,
+                    (grads[0], *(grads[1:] if own_kv else (None, None))),
+                )
                 grads[0] = dq
             else:
                 uq, udout, uout, ulse = fetched_q[i]
-                dq, dk, dv = backward_blocks(udout, uq, uk, uv, uout, ulse, plan.blocks(u), scale, kernels,
-                                             (None, *(grads[1:] if own_kv else (None, None))))
+                dq, dk, dv = backward_blocks(
+                    udout,
+                    uq,
+                    uk,
+                    uv,
+                    uout,
+                    ulse,
+                    plan.blocks(u),
+                    scale,
+                    kernels,
+                    (None, *(grads[1:] if own_kv else (None, None))),
+                )
             if own_kv:
                 grads[1], grads[2] = dk, dv
             partial[i] = [None if u.q_owner == me else dq, None if own_kv else dk, None if own_kv else dv]
@@ -225,10 +271,24 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
             add_returned(returning)
         returning = (
             units,
-            _transfer(run.group, me, units, _worker, _q_owner, lambda i, u: partial[i][:1],
-                      lambda u: [(run.rows(u, q), acc)]),
-            _transfer(run.group, me, units, _worker, _kv_owner, lambda i, u: partial[i][1:],
-                      lambda u: [(k, acc), (v, acc)]),
+            _transfer(
+                run.group,
+                me,
+                units,
+                _worker,
+                _q_owner,
+                lambda i, u, partial=partial: partial[i][:1],
+                lambda u: [(run.rows(u, q), acc)],
+            ),
+            _transfer(
+                run.group,
+                me,
+                units,
+                _worker,
+                _kv_owner,
+                lambda i, u, partial=partial: partial[i][1:],
+                lambda u: [(k, acc), (v, acc)],
+            ),
         )
     if returning is not None:
         add_returned(returning)

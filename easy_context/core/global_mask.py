@@ -10,8 +10,8 @@ check on it fails on all ranks alike and no rank is left waiting in a collective
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from easy_context.core.collectives import all_gather
 from easy_context.core.groups import SeqParallelGroups
 from easy_context.core.layout import Layout, RowLayout
 from easy_context.core.masking import SequenceMask
@@ -21,8 +21,10 @@ __all__ = ["gather_sequence_mask", "check_padding"]
 
 def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layout: Layout, token_index) -> SequenceMask:
     if position_ids is None:
-        raise ValueError("the model passed no position_ids to its attention; sequence parallelism needs them "
-                         "(pass local_position_ids from prepare_seq_parallel_inputs)")
+        raise ValueError(
+            "the model passed no position_ids to its attention; sequence parallelism needs them "
+            "(pass local_position_ids from prepare_seq_parallel_inputs)"
+        )
     batch = position_ids.shape[0] if padding is None else padding.shape[0]
     rows = [
         position_ids.expand(batch, -1).long(),
@@ -32,17 +34,16 @@ def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layou
         rows.append(token_index.to(position_ids.device).expand(batch, -1).long())
     local = torch.stack(rows).contiguous()
     size, rank = groups.topology.sp_size, groups.sp_rank
-    pieces = [local]
-    if groups.sp is not None:  # on the data's device: NCCL takes only CUDA tensors
-        pieces = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(pieces, local, group=groups.sp)
+    pieces = all_gather(local, groups.sp)  # on the data's device: NCCL takes only CUDA tensors
     if token_index is None:
         whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
         _check_positions(pieces, size, rank, layout)
         row_layout = None
     else:  # document_split: each rank's rows sit at the global positions its third row names
         pieces = [piece.cpu() for piece in pieces]
-        row_layout = RowLayout.from_local_indices([piece[2] for piece in pieces], layout.ring_degree, layout.ulysses_degree)
+        row_layout = RowLayout.from_local_indices(
+            [piece[2] for piece in pieces], layout.ring_degree, layout.ulysses_degree
+        )
         whole = row_layout.unshard([piece[:2] for piece in pieces])
     positions, valid = whole[0], whole[1]
     check_padding(valid)

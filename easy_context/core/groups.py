@@ -14,12 +14,17 @@ import gc
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import torch.distributed as dist
 
 __all__ = [
-    "Topology", "SeqParallelGroups", "get_groups", "release_groups", "world_timeout", "divisors", "register_exit_teardown",
+    "Topology",
+    "SeqParallelGroups",
+    "get_groups",
+    "release_groups",
+    "world_timeout",
+    "divisors",
+    "register_exit_teardown",
 ]
 
 
@@ -66,9 +71,9 @@ class SeqParallelGroups:
 
     topology: Topology
     sp_rank: int
-    sp: Optional[object]
-    ring: Optional[object]
-    ulysses: Optional[object]
+    sp: object | None
+    ring: object | None
+    ulysses: object | None
 
 
 _cache: dict = {}
@@ -109,7 +114,9 @@ def _new_groups(rank_lists: list[list[int]], rank: int, world_size: int):
 def get_groups(topology: Topology) -> SeqParallelGroups:
     if not (dist.is_available() and dist.is_initialized()):
         if topology.world_size != 1:
-            raise RuntimeError(f"torch.distributed is not initialised but the topology needs {topology.world_size} ranks")
+            raise RuntimeError(
+                f"torch.distributed is not initialised but the topology needs {topology.world_size} ranks"
+            )
         return SeqParallelGroups(topology, 0, None, None, None)
     if dist.get_world_size() != topology.world_size:
         raise ValueError(f"world size is {dist.get_world_size()}, not {topology.world_size}")
@@ -119,7 +126,7 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
         rank, world = dist.get_rank(), topology.world_size
         sp, u, r = topology.sp_size, topology.ulysses_degree, topology.ring_degree
         sp_lists = [list(range(g * sp, (g + 1) * sp)) for g in range(world // sp)]
-        ulysses_lists = [first[i * u:(i + 1) * u] for first in sp_lists for i in range(r)]
+        ulysses_lists = [first[i * u : (i + 1) * u] for first in sp_lists for i in range(r)]
         ring_lists = [first[j::u] for first in sp_lists for j in range(u)]
         groups = SeqParallelGroups(
             topology,

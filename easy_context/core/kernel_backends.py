@@ -13,11 +13,24 @@ import inspect
 import torch
 
 __all__ = [
-    "HALF", "accumulation_dtype", "MATH_TILE_LOGITS", "row_tiles",
-    "math_forward", "math_backward", "cpu_flash_forward", "cpu_flash_backward",
-    "cuda_flash_forward", "cuda_flash_backward", "cuda_efficient_forward", "cuda_efficient_backward",
-    "flash_attn_forward", "flash_attn_backward", "flash_attn_usable", "flash_attn_has_softcap",
-    "flash_attn_backward_options", "parameter_names",
+    "HALF",
+    "accumulation_dtype",
+    "MATH_TILE_LOGITS",
+    "row_tiles",
+    "math_forward",
+    "math_backward",
+    "cpu_flash_forward",
+    "cpu_flash_backward",
+    "cuda_flash_forward",
+    "cuda_flash_backward",
+    "cuda_efficient_forward",
+    "cuda_efficient_backward",
+    "flash_attn_forward",
+    "flash_attn_backward",
+    "flash_attn_usable",
+    "flash_attn_has_softcap",
+    "flash_attn_backward_options",
+    "parameter_names",
 ]
 
 HALF = (torch.float16, torch.bfloat16)
@@ -101,7 +114,6 @@ def _tiles(q, k, causal):
 
 def math_forward(q, k, v, causal, scale, mask=None, softcap=None):
     b, h = q.shape[:2]
-    n_kv = k.shape[1]
     outs, lses = [], []
     for rows, keys in _tiles(q, k, causal):
         _, logits, _ = _math_logits(q, k, causal, scale, mask, softcap, rows, keys)
@@ -184,7 +196,20 @@ def cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
     # down its variable-length path, which wants int32 cu_seqlens of B + 1 entries.
     # lse is made contiguous because the kernel indexes it as a dense (B, H, Sq) array.
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse.contiguous(),
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        causal,
+        seed,
+        offset,
         scale=scale,
     )
 
@@ -244,8 +269,18 @@ def cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     n_rep = q.shape[1] // k.shape[1]
     seed = offset = torch.empty((), dtype=torch.int64, device=q.device)  # read only with dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), _efficient_bias(mask, q), _with_dense_rows(out),
-        _efficient_backward_lse(lse, mask is not None), seed, offset, 0.0, [True, True, True, False], causal,
+        dout,
+        q,
+        _repeat_kv(k, n_rep),
+        _repeat_kv(v, n_rep),
+        _efficient_bias(mask, q),
+        _with_dense_rows(out),
+        _efficient_backward_lse(lse, mask is not None),
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        causal,
         scale=scale,
     )
     if n_rep > 1:  # each KV head's gradient is the sum over the query heads that read it
@@ -255,14 +290,14 @@ def cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
 
 
 # --------------------------------------------------------------------- flash_attn
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_attn_module():
     from flash_attn import flash_attn_interface  # optional, CUDA only
 
     return flash_attn_interface
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_attn_usable() -> bool:
     try:
         _flash_attn_module()
@@ -271,14 +306,14 @@ def flash_attn_usable() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_attn_has_softcap() -> bool:
     """flash_attn >= 2.6 takes softcap in both directions."""
     fa = _flash_attn_module()
     return "softcap" in parameter_names(fa.flash_attn_func) and "softcap" in parameter_names(fa._flash_attn_backward)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parameter_names(fn) -> frozenset:
     """Names `fn` takes. flash_attn >= 2.7 declares its private ops with torch.library.custom_op,
     whose Python signature is (*args, **kwargs): the op's schema has the real names."""
@@ -288,7 +323,7 @@ def parameter_names(fn) -> frozenset:
     return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_attn_backward_options(fn) -> tuple:
     """(name, value) pairs that turn off the features this release's backward asks about; the
     private signature changed across flash_attn releases."""
@@ -309,8 +344,13 @@ def flash_attn_forward(q, k, v, causal, scale, softcap=None):
     # flash_attn wants (B, S, H, D); HF's q/k/v are transposes of exactly that layout (no copy).
     capped = {"softcap": softcap} if softcap else {}  # releases before 2.6 have no softcap
     out, lse, *_ = fa.flash_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        softmax_scale=scale, causal=causal, return_attn_probs=True, **capped,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        softmax_scale=scale,
+        causal=causal,
+        return_attn_probs=True,
+        **capped,
     )
     return out.transpose(1, 2), lse.float()
 
@@ -325,7 +365,18 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
     if softcap:
         options["softcap"] = softcap
     fa._flash_attn_backward(
-        t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), dq, dk, dv,
-        dropout_p=0.0, softmax_scale=scale, causal=causal, **options,
+        t(dout),
+        t(q),
+        t(k),
+        t(v),
+        t(out),
+        lse.contiguous(),
+        dq,
+        dk,
+        dv,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        **options,
     )
     return t(dq), t(dk), t(dv)

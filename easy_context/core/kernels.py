@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -71,7 +72,6 @@ __all__ = [
     "BACKENDS",
     "FORWARD_CALLS",
 ]
-
 
 
 class Backend(NamedTuple):
@@ -206,7 +206,7 @@ def available_backends(
     return [n for n in names if _has(n, masked, softcap)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _usable_backends(device_type: str, device_index: int | None, dtype: torch.dtype, head_dim: int) -> tuple:
     """available_backends for one device, queried once per (device, dtype, head dim)."""
     capability = torch.cuda.get_device_capability(device_index) if device_type == "cuda" else None

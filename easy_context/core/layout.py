@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -51,6 +50,10 @@ class Layout:
         """Sequence lengths must be a multiple of this."""
         ring_chunks = 2 * self.ring_degree if self.zigzag and self.ring_degree > 1 else self.ring_degree
         return ring_chunks * self.ulysses_degree
+
+    def padding(self, seq_len: int) -> int:
+        """Tokens to add at the end of a row of seq_len so that this layout splits it."""
+        return -seq_len % self.multiple
 
     def check_length(self, seq_len: int) -> None:
         m = self.multiple
@@ -108,7 +111,9 @@ class RowLayout:
         return len(self.shares)
 
     @classmethod
-    def of_documents(cls, position_ids, attention_mask, ring_degree: int, ulysses_degree: int, zigzag: bool) -> "RowLayout":
+    def of_documents(
+        cls, position_ids, attention_mask, ring_degree: int, ulysses_degree: int, zigzag: bool
+    ) -> RowLayout:
         """The split of a batch (position_ids (B, S): documents restart their positions; attention_mask
         (B, S) 0/1 or None): every document cut over the ring in order (balance.split_documents),
         zigzag or contiguous as the mode cuts one causal row."""
@@ -119,15 +124,17 @@ class RowLayout:
         return cls([torch.stack([shares[r] for shares in per_row]) for r in range(ring_degree)], ulysses_degree)
 
     @classmethod
-    def from_local_indices(cls, indices: list, ring_degree: int, ulysses_degree: int) -> "RowLayout":
+    def from_local_indices(cls, indices: list, ring_degree: int, ulysses_degree: int) -> RowLayout:
         """The layout whose SP rank i holds the rows at indices[i] (B, S_local) (the local_token_index
         of every rank of the SP group); refused unless they cover each row exactly once."""
         index = torch.cat(indices, dim=1)
         if not bool((torch.sort(index, dim=1).values == torch.arange(index.shape[1])).all()):
-            raise ValueError("seq_parallel_index of the sequence-parallel group is not a permutation of the row's positions: "
-                             "pass local_token_index from prepare_seq_parallel_inputs (same batch, same options)")
+            raise ValueError(
+                "seq_parallel_index of the sequence-parallel group is not a permutation of the row's positions: "
+                "pass local_token_index from prepare_seq_parallel_inputs (same batch, same options)"
+            )
         u = ulysses_degree
-        return cls([torch.cat(indices[r * u:(r + 1) * u], dim=1) for r in range(ring_degree)], ulysses_degree)
+        return cls([torch.cat(indices[r * u : (r + 1) * u], dim=1) for r in range(ring_degree)], ulysses_degree)
 
     def ring_positions(self, seq_len: int, ring_rank: int) -> torch.Tensor:
         """(B, n) global positions of ring rank `ring_rank`'s rows (seq_len: as Layout's; implied here)."""
@@ -145,7 +152,7 @@ class RowLayout:
         return torch.empty_like(stacked).scatter_(-1, index.expand_as(stacked), stacked)
 
 
-def ring_layout(mask: Optional[SequenceMask], zigzag: bool, ring_degree: int):
+def ring_layout(mask: SequenceMask | None, zigzag: bool, ring_degree: int):
     """How a ring of `ring_degree` ranks holds the rows `mask` describes: the mask's per-row layout
     (document_split), else the static zigzag or contiguous one."""
     if mask is not None and mask.row_layout is not None:

@@ -20,7 +20,7 @@ Pairs with no allowed key are never computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -40,7 +40,7 @@ class Block(NamedTuple):
     kv: slice
     causal: bool
     batch: slice = FULL_ROWS
-    mask: Optional[torch.Tensor] = None
+    mask: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -48,14 +48,16 @@ class SequenceMask:
     """first_key (B, S) int64 on the host, global indices; window None = unlimited."""
 
     first_key: torch.Tensor
-    window: Optional[int] = None
+    window: int | None = None
     # document_split: the layout.RowLayout the ranks hold this forward's rows in (the plans are
     # built on it). None: the mode's static layout.
-    row_layout: Optional[object] = None
+    row_layout: object | None = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_positions(cls, position_ids: torch.Tensor, valid: Optional[torch.Tensor] = None, row_layout=None) -> "SequenceMask":
+    def from_positions(
+        cls, position_ids: torch.Tensor, valid: torch.Tensor | None = None, row_layout=None
+    ) -> SequenceMask:
         """HF's packing convention: a document starts where position_ids[i] != position_ids[i-1] + 1.
         `valid` (B, S) bool marks non-padding tokens (None: all valid)."""
         position_ids = position_ids.cpu().long()
@@ -71,7 +73,7 @@ class SequenceMask:
             first_key = torch.where(valid, first_key, index + 1)
         return cls(first_key.contiguous(), row_layout=row_layout)
 
-    def with_window(self, window: Optional[int]) -> "SequenceMask":
+    def with_window(self, window: int | None) -> SequenceMask:
         if window is None or window >= self.first_key.shape[1]:
             return self
         if window < 1:
@@ -82,7 +84,9 @@ class SequenceMask:
     @property
     def is_causal(self) -> bool:
         """True when the rule is plain causal attention over the whole row (no work to skip)."""
-        return self.memo("causal", lambda: self.window is None and self.row_layout is None and not bool(self.first_key.any()))
+        return self.memo(
+            "causal", lambda: self.window is None and self.row_layout is None and not bool(self.first_key.any())
+        )
 
     def memo(self, key, build):
         """The value cached under `key` (hashable) for this mask, built by build() at the first
@@ -133,14 +137,14 @@ def _by_row(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor):
     layout and the boundaries, else row by row. Indices: (n,) shared, or (B, n) per row."""
     if q_index.dim() == 2:  # a layout of its own per batch row
         for b in range(q_index.shape[0]):
-            yield slice(b, b + 1), mask.first_key[b:b + 1, q_index[b]], q_index[b], k_index[b], 1
+            yield slice(b, b + 1), mask.first_key[b : b + 1, q_index[b]], q_index[b], k_index[b], 1
         return
     first_key_q = mask.first_key[:, q_index]
     if bool((first_key_q == first_key_q[:1]).all()):  # every batch row has the same boundaries
         yield FULL_ROWS, first_key_q[:1], q_index, k_index, first_key_q.shape[0]
         return
     for b in range(first_key_q.shape[0]):
-        yield slice(b, b + 1), first_key_q[b:b + 1], q_index, k_index, 1
+        yield slice(b, b + 1), first_key_q[b : b + 1], q_index, k_index, 1
 
 
 def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:

@@ -10,7 +10,7 @@ what reaches the backend is always contiguous.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ class Pending:
         return self._received
 
 
-def _dense_view(x: torch.Tensor) -> Optional[torch.Tensor]:
+def _dense_view(x: torch.Tensor) -> torch.Tensor | None:
     """x as a contiguous tensor (its dims permuted) when its memory is dense, else None."""
     if x.is_contiguous():
         return x

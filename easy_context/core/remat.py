@@ -58,7 +58,9 @@ class AttentionOutputCache:
                 self._entries.pop(layer, None)
                 return None
         tag = next(self._tags)
-        self._entries.setdefault(layer, collections.deque(maxlen=self._per_layer)).append((tag, out.detach(), lse.detach()))
+        self._entries.setdefault(layer, collections.deque(maxlen=self._per_layer)).append(
+            (tag, out.detach(), lse.detach())
+        )
         return tag
 
     def take(self, layer):

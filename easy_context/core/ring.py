@@ -15,7 +15,8 @@ masks every step is needed and this moves exactly what a ring relay moves.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,14 @@ from easy_context.core.layout import ring_layout
 from easy_context.core.masking import FULL_ROWS, Block, SequenceMask
 
 __all__ = [
-    "Block", "RingPlan", "MaskedRingPlan", "RingRounds", "masked_ring_plan", "ring_attention",
-    "merge_block", "fold_sinks",  # block math (blocks.py), also reachable here for the decoding cache
+    "Block",
+    "RingPlan",
+    "MaskedRingPlan",
+    "RingRounds",
+    "masked_ring_plan",
+    "ring_attention",
+    "merge_block",
+    "fold_sinks",  # block math (blocks.py), also reachable here for the decoding cache
 ]
 
 
@@ -90,7 +97,9 @@ class RingRounds:
         return self.plan.blocks(step, unit.q_owner, self.size, self.q_len, self.kv_len)
 
 
-def ring_attention(q, k, v, scale: float, plan: RingPlan, group=None, softcap=None, sinks=None, layer=None) -> torch.Tensor:
+def ring_attention(
+    q, k, v, scale: float, plan: RingPlan, group=None, softcap=None, sinks=None, layer=None
+) -> torch.Tensor:
     """Exact attention of the local queries against the K/V of every rank in `group`.
 
     q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D); returns (B, Hq, S_local, D).

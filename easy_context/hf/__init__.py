@@ -20,5 +20,14 @@ from easy_context.hf.patch import ShardedMask, install, uninstall
 ActivePatch = SequenceParallel
 active_patch = active
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "SequenceParallel", "ActivePatch", "ShardedMask", "install", "uninstall", "active",
-           "active_patch", "world_size"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SequenceParallel",
+    "ActivePatch",
+    "ShardedMask",
+    "install",
+    "uninstall",
+    "active",
+    "active_patch",
+    "world_size",
+]

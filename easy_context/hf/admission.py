@@ -29,7 +29,7 @@ _LOGIT_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "sinks": "sinks"}
 _KNOWN_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "position_ids", "is_causal", *_LOGIT_KWARGS})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def named_attention_keywords(cls) -> frozenset:
     """The keywords `cls.forward` passes by name to `attention_interface(...)` (transformers'
     name for the registry function in every model); empty when the source cannot be read."""
@@ -53,7 +53,9 @@ def logit_options(module, kwargs) -> dict:
             "implement what they do, so this model cannot run sequence parallel (report it with the model type)"
         )
     if kwargs.get("is_causal") is False:
-        raise ValueError(f"{type(module).__name__} asks for non-causal attention, which sequence parallelism does not support")
+        raise ValueError(
+            f"{type(module).__name__} asks for non-causal attention, which sequence parallelism does not support"
+        )
     return {option: kwargs[name] for name, option in _LOGIT_KWARGS.items() if kwargs.get(name) is not None}
 
 
@@ -93,11 +95,19 @@ def check_call(module, attention_mask, kwargs, sharded_mask_type) -> None:
 # causality, padding, packed documents (position_ids) and sliding windows (which reach the
 # attention as its sliding_window argument). A mask built from anything else (bidirectional
 # image tokens, block overlays, chunks, a user's function) is refused, never replaced by ours.
-_MASK_PARTS_WE_DESCRIBE = frozenset(f"transformers.masking_utils.{name}" for name in (
-    "and_masks", "causal_mask_function", "padding_mask_function", "packed_sequence_mask_function",
-    "remap_positions_for_packed_sequence", "add_offsets_to_mask_function", "sliding_window_overlay",
-    "sliding_window_causal_mask_function",
-))
+_MASK_PARTS_WE_DESCRIBE = frozenset(
+    f"transformers.masking_utils.{name}"
+    for name in (
+        "and_masks",
+        "causal_mask_function",
+        "padding_mask_function",
+        "packed_sequence_mask_function",
+        "remap_positions_for_packed_sequence",
+        "add_offsets_to_mask_function",
+        "sliding_window_overlay",
+        "sliding_window_causal_mask_function",
+    )
+)
 
 
 def mask_parts(mask_function) -> set:

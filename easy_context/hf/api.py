@@ -67,8 +67,9 @@ def prepare_seq_parallel_inputs(
     (seq_parallel_index=) and gather_seq_parallel_outputs (token_index=).
     """
     context = context_for("prepare_seq_parallel_inputs", mode, options)
-    return context.shard(input_ids, position_ids, target_ids, attention_mask, rank=rank, world_size=world_size,
-                         device=device)
+    return context.shard(
+        input_ids, position_ids, target_ids, attention_mask, rank=rank, world_size=world_size, device=device
+    )
 
 
 def prepare_dataloader(mode: str, dataloader, accelerator, **options):
@@ -78,7 +79,9 @@ def prepare_dataloader(mode: str, dataloader, accelerator, **options):
     return context_for("prepare_dataloader", mode, options).dataloader(dataloader, accelerator)
 
 
-def gather_seq_parallel_outputs(mode: str, local: torch.Tensor, dim: int = 1, token_index=None, **options) -> torch.Tensor:
+def gather_seq_parallel_outputs(
+    mode: str, local: torch.Tensor, dim: int = 1, token_index=None, **options
+) -> torch.Tensor:
     """All-gather the SP group's local tensors (logits, predictions) back into sequence order.
 
     Not differentiable; every rank of the SP group gets its group's full tensor. Under

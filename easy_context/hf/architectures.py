@@ -19,8 +19,14 @@ import functools
 import torch
 
 __all__ = [
-    "SUPPORTED", "SUPPORTED_MODEL_TYPES", "REFUSED", "model_types_of", "check_model_type", "attn_implementation",
-    "logits_head", "check_training_config",
+    "SUPPORTED",
+    "SUPPORTED_MODEL_TYPES",
+    "REFUSED",
+    "model_types_of",
+    "check_model_type",
+    "attn_implementation",
+    "logits_head",
+    "check_training_config",
 ]
 
 # model_type -> what it adds to Llama's architecture
@@ -84,7 +90,9 @@ def model_types_of(model_or_type) -> list[str]:
         return [model_or_type]
     config = getattr(model_or_type, "config", model_or_type)
     if not hasattr(config, "model_type"):
-        raise TypeError(f"expected a model type (str) or a transformers model or config, got {type(model_or_type).__name__}")
+        raise TypeError(
+            f"expected a model type (str) or a transformers model or config, got {type(model_or_type).__name__}"
+        )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: the decoder's
     if text.model_type in REFUSED:  # the known reason first
         check_model_type(text.model_type)
@@ -98,7 +106,8 @@ def _check_layer_types(config) -> None:
     if other:
         raise ValueError(
             f"model type {config.model_type!r} has layers of type {other}: sequence parallelism splits only "
-            f"attention layers ({sorted(_ATTENTION_LAYER_TYPES)}); such layers would need their state passed across ranks"
+            f"attention layers ({sorted(_ATTENTION_LAYER_TYPES)}); "
+            "such layers would need their state passed across ranks"
         )
 
 
@@ -109,8 +118,10 @@ def check_model_type(model_type: str) -> None:
     if model_type in REFUSED:
         raise ValueError(f"model type {model_type!r} cannot run sequence parallel: {REFUSED[model_type]}")
     if f"{model_type}_text" in SUPPORTED:  # a multimodal wrapper's type given as a string
-        raise ValueError(f"model type {model_type!r} is a multimodal wrapper: pass the model itself, or its decoder's "
-                         f"type {model_type}_text")
+        raise ValueError(
+            f"model type {model_type!r} is a multimodal wrapper: pass the model itself, or its decoder's "
+            f"type {model_type}_text"
+        )
     raise ValueError(
         f"model type {model_type!r} is not supported; supported: {list(SUPPORTED)} (each tested against the "
         "single-process model)"

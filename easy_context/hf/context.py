@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Optional
 
 import torch
 
@@ -58,28 +57,31 @@ class SequenceParallel:
     def sequence_parallel(self) -> bool:
         return self.mode.attention is not None
 
-    def same_setup(self, other: Optional["SequenceParallel"]) -> bool:
+    def same_setup(self, other: SequenceParallel | None) -> bool:
         return other is not None and (self.mode, *self.options.values()) == (other.mode, *other.options.values())
 
-    def topology(self, world_size: Optional[int] = None) -> Topology:
-        return self.mode.topology(collectives.world_size() if world_size is None else world_size, self.sp_size,
-                                  self.ring_degree)
+    def topology(self, world_size: int | None = None) -> Topology:
+        return self.mode.topology(
+            collectives.world_size() if world_size is None else world_size, self.sp_size, self.ring_degree
+        )
 
     def groups(self) -> SeqParallelGroups:
         """This rank's process groups; created at the first call, then cached."""
         return get_groups(self.topology())
 
-    def layout(self, world_size: Optional[int] = None):
+    def layout(self, world_size: int | None = None):
         return self.mode.layout(self.topology(world_size))
 
-    def with_options(self, where: str, options: dict) -> "SequenceParallel":
+    def with_options(self, where: str, options: dict) -> SequenceParallel:
         """This context with a call's options, which default to (and may not contradict) its own."""
         check_option_names(where, options)
         merged = {}
         for name in OPTIONS:
             given, mine = options.get(name), getattr(self, name)
             if given is not None and mine is not None and given != mine:
-                raise ValueError(f"{where}: {name}={given} differs from {name}={mine} given to apply_seq_parallel_monkey_patch")
+                raise ValueError(
+                    f"{where}: {name}={given} differs from {name}={mine} given to apply_seq_parallel_monkey_patch"
+                )
             merged[name] = given if given is not None else mine
         if merged == self.options:
             return self
@@ -87,12 +89,23 @@ class SequenceParallel:
 
     def check_document_split(self) -> None:
         if not self.mode.document_split:
-            raise ValueError(f"document_split=True works with {list(modes_with('document_split'))}, not {self.mode.name!r} "
-                             "(ulysses_attn is balanced already: every rank attends the whole sequence for its heads)")
+            raise ValueError(
+                f"document_split=True works with {list(modes_with('document_split'))}, not {self.mode.name!r} "
+                "(ulysses_attn is balanced already: every rank attends the whole sequence for its heads)"
+            )
 
     # ------------------------------------------------------------ batches
-    def shard(self, input_ids, position_ids=None, target_ids=None, attention_mask=None, *, rank: Optional[int] = None,
-              world_size: Optional[int] = None, device=None) -> dict:
+    def shard(
+        self,
+        input_ids,
+        position_ids=None,
+        target_ids=None,
+        attention_mask=None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        device=None,
+    ) -> dict:
         """This rank's share of a batch of full sequences (prepare_seq_parallel_inputs documents
         the arguments and the result); rank and world_size default to torch.distributed's."""
         rank = collectives.rank() if rank is None else rank
@@ -125,13 +138,17 @@ class SequenceParallel:
             result = {name: None if x is None else to_device(x.gather(1, index)) for name, x in zip(SHARD_KEYS, rows)}
             result["local_token_index"] = to_device(index)
             return result
-        return {name: None if x is None else to_device(layout.shard(x, sp_rank, dim=1)) for name, x in zip(SHARD_KEYS, rows)}
+        return {
+            name: None if x is None else to_device(layout.shard(x, sp_rank, dim=1)) for name, x in zip(SHARD_KEYS, rows)
+        }
 
     def gather(self, local: torch.Tensor, dim: int = 1, token_index=None) -> torch.Tensor:
         """All-gather the SP group's local tensors back into sequence order (not differentiable)."""
         topology = self.topology()
         if self.document_split and token_index is None:
-            raise ValueError("document_split=True: pass token_index=local['local_token_index'] to gather_seq_parallel_outputs")
+            raise ValueError(
+                "document_split=True: pass token_index=local['local_token_index'] to gather_seq_parallel_outputs"
+            )
         group = get_groups(topology).sp
         if group is None:
             return local
@@ -160,7 +177,9 @@ class SequenceParallel:
         topology = self.topology(world)
         if topology.dp_size == 1:
             return dataloader
-        return DataParallelShard(dataloader, topology.dp_rank(getattr(accelerator, "process_index", 0)), topology.dp_size)
+        return DataParallelShard(
+            dataloader, topology.dp_rank(getattr(accelerator, "process_index", 0)), topology.dp_size
+        )
 
     # ------------------------------------------------------------ programs on it
     def trainer(self, trainer):
@@ -186,10 +205,12 @@ class SequenceParallel:
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in self.options.items() if v is not None)
-        return f"SequenceParallel({self.mode.name!r}, types={sorted(self.model_types)}{', ' if options else ''}{options})"
+        return (
+            f"SequenceParallel({self.mode.name!r}, types={sorted(self.model_types)}{', ' if options else ''}{options})"
+        )
 
 
-def _as_batch(name: str, x: Optional[torch.Tensor], batch: int, seq_len: int) -> Optional[torch.Tensor]:
+def _as_batch(name: str, x: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor | None:
     if x is None:
         return None
     if x.dim() == 1:
@@ -226,19 +247,19 @@ class DataParallelShard:
 
 
 # ---------------------------------------------------------------- the installed context
-def active() -> Optional[SequenceParallel]:
+def active() -> SequenceParallel | None:
     return patch.active()
 
 
-def setup(mode: str, model_or_type, **options) -> SequenceParallel:
+def setup(mode: str | SeqParallelMode, model_or_type, **options) -> SequenceParallel:
     """Resolve `mode` with its options for a model (or a model type, or a config) and install
     the patch; see apply_seq_parallel_monkey_patch for the rules. Returns the context."""
-    resolved = get_mode(mode)
+    mode = mode if isinstance(mode, SeqParallelMode) else get_mode(mode)
     check_option_names("apply_seq_parallel_monkey_patch", options)
     model_types = architectures.model_types_of(model_or_type)
     for model_type in model_types:
         architectures.check_model_type(model_type)
-    context = SequenceParallel(resolved, model_types, **options)
+    context = SequenceParallel(mode, model_types, **options)
     context.topology()  # impossible combinations fail now
     if context.document_split:
         context.check_document_split()

@@ -28,15 +28,14 @@ described per cache slot (its sequence index and validity), the same rule as mas
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from easy_context.core import collectives
+from easy_context.core.blocks import fold_sinks, merge_block
 from easy_context.core.global_mask import check_padding
 from easy_context.core.kernels import accumulation_dtype, attention_forward
-from easy_context.core.blocks import fold_sinks, merge_block
 from easy_context.hf.architectures import model_types_of
 from easy_context.hf.context import OPTIONS, active, context_for, setup
 from easy_context.versions import cache_keyword
@@ -75,7 +74,7 @@ class _ShardLayer(DynamicLayer):
 
     def live(self):
         start = self.first - self.base
-        return self.keys[..., start:self.used, :], self.values[..., start:self.used, :]
+        return self.keys[..., start : self.used, :], self.values[..., start : self.used, :]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor):
         if not self.is_initialized:
@@ -83,10 +82,12 @@ class _ShardLayer(DynamicLayer):
         added, dead = keys.shape[-2], self.first - self.base
         if self.used + added > self.keys.shape[-2] or dead >= max(GROWTH, self.used - dead):
             live = self.used - dead  # copy the live slots only, with GROWTH spare ones
-            self.keys, self.values = (_copied(x, dead, self.used, live + added + GROWTH) for x in (self.keys, self.values))
+            self.keys, self.values = (
+                _copied(x, dead, self.used, live + added + GROWTH) for x in (self.keys, self.values)
+            )
             self.base, self.used = self.first, live
-        self.keys[..., self.used:self.used + added, :] = keys
-        self.values[..., self.used:self.used + added, :] = values
+        self.keys[..., self.used : self.used + added, :] = keys
+        self.values[..., self.used : self.used + added, :] = values
         self.used += added
         return self.live()
 
@@ -97,7 +98,7 @@ class _ShardLayer(DynamicLayer):
 
 def _copied(x: torch.Tensor, start: int, stop: int, capacity: int) -> torch.Tensor:
     copy = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
-    copy[..., :stop - start, :] = x[..., start:stop, :]
+    copy[..., : stop - start, :] = x[..., start:stop, :]
     return copy
 
 
@@ -113,8 +114,8 @@ class ShardedKVCache(Cache):
         super().__init__(layer_class_to_replicate=_ShardLayer)
         self.group, self.rank, self.size = group, sp_rank, sp_size
         self.length = 0
-        self.index: Optional[torch.Tensor] = None  # (slots,) int64
-        self.valid: Optional[torch.Tensor] = None  # (B, slots) bool
+        self.index: torch.Tensor | None = None  # (slots,) int64
+        self.valid: torch.Tensor | None = None  # (B, slots) bool
         self.prefilled = False  # False: update stores the prefill's shard; True: update appends a step's tokens
         self._prefill = None  # (slots the prefill passes, the positions among them that are kept or None, length)
         self._step_kept = None  # positions among the step's new tokens that this rank keeps
@@ -174,12 +175,14 @@ class ShardedKVCache(Cache):
         indices = torch.arange(self.length, self.length + new, device=device)
         self._step_kept = torch.nonzero(indices % self.size == self.rank).flatten()
         self.index = torch.cat([self.index, indices[self._step_kept]])
-        self.valid = torch.cat([self.valid, torch.ones(batch, len(self._step_kept), dtype=torch.bool, device=device)], dim=1)
+        self.valid = torch.cat(
+            [self.valid, torch.ones(batch, len(self._step_kept), dtype=torch.bool, device=device)], dim=1
+        )
         self.length += new
         self._masks = {}
 
     # -------------------------------------------------------- attention
-    def step_mask(self, new: int, window: Optional[int], first: int = 0) -> Optional[torch.Tensor]:
+    def step_mask(self, new: int, window: int | None, first: int = 0) -> torch.Tensor | None:
         """(B, 1, new, slots - first) bool: which local slots from `first` on the step's queries
         may attend (the masking.py rule: valid, not after the query, within the window); None
         when every one is allowed. Computed once per step, window and first slot."""
@@ -271,8 +274,10 @@ def _check_same_queries(checksums: list) -> None:
     reference = checksums[0]
     for rank, checksum in enumerate(checksums[1:], start=1):
         if not torch.allclose(checksum, reference, rtol=1e-4, atol=1e-4):
-            raise RuntimeError(f"generate: rank {rank} of the sequence-parallel group decodes other tokens than rank 0 "
-                               "(different inputs, weights or generate options on the ranks)")
+            raise RuntimeError(
+                f"generate: rank {rank} of the sequence-parallel group decodes other tokens than rank 0 "
+                "(different inputs, weights or generate options on the ranks)"
+            )
 
 
 def kv_bytes(cache) -> int:
@@ -283,7 +288,7 @@ def kv_bytes(cache) -> int:
 
 
 # ------------------------------------------------------------------ generate
-def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
     """`model.generate(input_ids, attention_mask=..., **kwargs)` with the prompt prefilled in
     `mode`'s layout and the KV cache sharded over the SP group; returns what model.generate
     returns, the same on every rank of the group.
@@ -299,7 +304,7 @@ def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: Optional
     return context_for("generate", mode, options).generate(model, input_ids, attention_mask, **kwargs)
 
 
-def generate_in(context, model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
     """generate in a SequenceParallel context (SequenceParallel.generate)."""
     for name, why in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
@@ -317,8 +322,10 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: Optiona
     config = _generation_config(model, kwargs)
     for name in ("guidance_scale", "negative_prompt_ids"):
         if getattr(config, name, None) not in (None, 1, 1.0) or kwargs.get(name) is not None:
-            raise ValueError(f"generate: {name} is not supported (classifier-free guidance runs a second forward "
-                             "with a cache of its own)")
+            raise ValueError(
+                f"generate: {name} is not supported (classifier-free guidance runs a second forward "
+                "with a cache of its own)"
+            )
     _check_same_everywhere(context, input_ids, attention_mask, bool(getattr(config, "do_sample", False)))
 
     cache = ShardedKVCache(groups.sp, groups.sp_rank, groups.topology.sp_size)
@@ -328,8 +335,13 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: Optiona
     with context.decoding_with(cache):
         # cache_implementation=None: a model's generation config may name one (Gemma 2: "hybrid"),
         # which transformers refuses next to a cache it is given; ours replaces it.
-        output = model.generate(input_ids, attention_mask=attention_mask, cache_implementation=None,
-                                **{cache_keyword(model): cache}, **kwargs)
+        output = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            cache_implementation=None,
+            **{cache_keyword(model): cache},
+            **kwargs,
+        )
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     _check_same_everywhere(context, sequences, None, False, what="generated tokens")
     return output
@@ -340,20 +352,26 @@ def _installed_for(context, model):
     decoding must agree with it), extended to the model's type, or a new one for it."""
     installed = active()
     if installed is not None and installed.mode is not context.mode:
-        raise ValueError(f"generate({context.mode.name!r}, ...): the patch runs {installed.mode.name!r} for "
-                         f"{sorted(installed.model_types)}; generate with that mode, or call "
-                         "remove_seq_parallel_monkey_patch() first")
+        raise ValueError(
+            f"generate({context.mode.name!r}, ...): the patch runs {installed.mode.name!r} for "
+            f"{sorted(installed.model_types)}; generate with that mode, or call "
+            "remove_seq_parallel_monkey_patch() first"
+        )
     if installed is not None:
         mine, patched = context.topology(), installed.topology()
         if mine != patched:
-            raise ValueError(f"generate: sp_size={mine.sp_size}, ring_degree={mine.ring_degree} differ from the patch's "
-                             f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)")
+            raise ValueError(
+                f"generate: sp_size={mine.sp_size}, ring_degree={mine.ring_degree} differ from the patch's "
+                f"sp_size={patched.sp_size}, ring_degree={patched.ring_degree} (apply_seq_parallel_monkey_patch)"
+            )
     if context.document_split:
-        raise ValueError("generate: document_split is for packed rows; a prompt is one document per row "
-                         "(apply the patch without document_split to generate)")
+        raise ValueError(
+            "generate: document_split is for packed rows; a prompt is one document per row "
+            "(apply the patch without document_split to generate)"
+        )
     if installed is None or not set(model_types_of(model)) <= installed.model_types:
         options = context.options if installed is None else installed.options
-        installed = setup(context.mode.name, model, **options)
+        installed = setup(context.mode, model, **options)
     if model.training:
         raise ValueError("generate: the model is in training mode; call model.eval() first")
     return installed
@@ -368,7 +386,9 @@ def _checked_prompt(input_ids, attention_mask, model):
     if attention_mask is None:  # transformers needs it to see that the cache holds the prompt
         return input_ids, torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"generate: attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
     attention_mask = attention_mask.to(device).long()
     check_padding(attention_mask.cpu())
     if not bool(attention_mask[:, -1].all()):
@@ -395,8 +415,10 @@ def _check_same_everywhere(context, tokens, mask, sampling: bool, what: str = "p
         state = torch.cuda.get_rng_state(tokens.device) if tokens.device.type == "cuda" else torch.get_rng_state()
     hint = " and random states (seed every rank alike: torch.manual_seed)" if sampling else ""
     flag = torch.tensor([float(sampling)], device=tokens.device)
-    context.check_same([tokens, mask, state, flag],
-                       lambda shapes: f"generate: the {what}{hint} differ between the ranks of the sequence-parallel group")
+    context.check_same(
+        [tokens, mask, state, flag],
+        lambda shapes: f"generate: the {what}{hint} differ between the ranks of the sequence-parallel group",
+    )
 
 
 def _prefill(context, model, cache: ShardedKVCache, input_ids, attention_mask) -> None:
@@ -408,7 +430,7 @@ def _prefill(context, model, cache: ShardedKVCache, input_ids, attention_mask) -
     positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, :length]
     topology = context.topology()
     layout = context.mode.layout(topology)
-    padded = -(-length // layout.multiple) * layout.multiple  # the end padded so that the layout splits it
+    padded = length + layout.padding(length)
 
     def extend(x):
         return torch.nn.functional.pad(x[:, :length], (0, padded - length), value=0)
@@ -419,6 +441,10 @@ def _prefill(context, model, cache: ShardedKVCache, input_ids, attention_mask) -
     index = columns.masked_fill(columns >= length, -1)
     cache.start_prefill(index, mask[:, columns].bool(), length)
     model(
-        input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
-        attention_mask=local["local_attention_mask"], use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache},
+        input_ids=local["local_input_ids"],
+        position_ids=local["local_position_ids"],
+        attention_mask=local["local_attention_mask"],
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_keyword(model): cache},
     )

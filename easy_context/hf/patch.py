@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from easy_context.core.global_mask import gather_sequence_mask
-from easy_context.hf import admission
+from easy_context.core.groups import SeqParallelGroups
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
-from easy_context.core.groups import SeqParallelGroups
+from easy_context.hf import admission
 from easy_context.hf.replicas import check_replicas
 
 __all__ = ["SUPPORTED_IMPLEMENTATIONS", "ShardedMask", "install", "uninstall", "active"]
@@ -64,11 +63,13 @@ class ShardedMask:
     """What the mask dispatcher hands the attention for one forward: the local 2D padding
     mask (or None), resolved into a SequenceMask over the whole sequence at first use."""
 
-    def __init__(self, padding: Optional[torch.Tensor]):
+    def __init__(self, padding: torch.Tensor | None):
         self.padding = padding
-        self._resolved: Optional[SequenceMask] = None
+        self._resolved: SequenceMask | None = None
 
-    def resolve(self, module, position_ids, groups: SeqParallelGroups, layout: Layout, token_index=None) -> SequenceMask:
+    def resolve(
+        self, module, position_ids, groups: SeqParallelGroups, layout: Layout, token_index=None
+    ) -> SequenceMask:
         """Called by every attention layer; the first call of a forward does the work."""
         if self._resolved is None:
             self._resolved = gather_sequence_mask(position_ids, self.padding, groups, layout, token_index)
@@ -101,7 +102,9 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
             out = attend(query, key, value, scale, **options)
     else:
         if not query.dtype == key.dtype == value.dtype:
-            raise ValueError(f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}) outside autocast")
+            raise ValueError(
+                f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}) outside autocast"
+            )
         out = attend(query, key, value, scale, **options)
     if value_dim is not None:
         out = out[..., :value_dim]
@@ -122,11 +125,15 @@ def _mode_attention(module, query, key, attention_mask, kwargs):
     sharded = attention_mask if attention_mask is not None else ShardedMask(None)
     token_index = kwargs.get("seq_parallel_index")
     if context.document_split and token_index is None:
-        raise ValueError("the patch has document_split=True: call the model with "
-                         "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs")
+        raise ValueError(
+            "the patch has document_split=True: call the model with "
+            "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs"
+        )
     if token_index is not None and not context.document_split:
         raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
-    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(kwargs.get("sliding_window"))
+    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(
+        kwargs.get("sliding_window")
+    )
 
     def attend(q, k, v, scale, **options):
         return context.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
+
+from easy_context.core.collectives import all_gather
 
 __all__ = ["check_replicas", "check_every", "ReplicaDriftError"]
 
@@ -45,7 +46,9 @@ def check_every() -> int:
     if CHECK_EVERY is None:
         text = os.environ.get("EASY_CONTEXT_REPLICA_CHECK_EVERY", "16")
         if not text.strip().isdigit():
-            raise ValueError(f"EASY_CONTEXT_REPLICA_CHECK_EVERY={text!r}: use a whole number >= 0 (0 turns the guard off)")
+            raise ValueError(
+                f"EASY_CONTEXT_REPLICA_CHECK_EVERY={text!r}: use a whole number >= 0 (0 turns the guard off)"
+            )
         CHECK_EVERY = int(text)
     return CHECK_EVERY
 
@@ -82,9 +85,7 @@ def check_replicas(module: torch.nn.Module, group, sp_rank: int, device) -> None
     if not _due(_forwards) or group is None:
         return
     local = checksum(module, device)
-    sums = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sums, local, group=group)
-    sums = torch.cat(sums).tolist()
+    sums = torch.cat(all_gather(local, group)).tolist()
     if len(set(sums)) > 1:
         raise ReplicaDriftError(
             f"the ranks of this sequence-parallel group hold different weights (checksums of "

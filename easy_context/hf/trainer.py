@@ -68,11 +68,13 @@ def prepare(context, trainer):
     if context.sequence_parallel:
         _check_supported(trainer)
         if collectives.world_size() > 1 and trainer.accelerator.distributed_type.name == "NO":
-            raise ValueError(f"the trainer's accelerator runs each of the {collectives.world_size()} processes on its own "
-                             "(DistributedType.NO: no DDP, gradients never averaged); on a machine without CUDA "
-                             "create the trainer with TrainingArguments(use_cpu=True)")
+            raise ValueError(
+                f"the trainer's accelerator runs each of the {collectives.world_size()} processes on its own "
+                "(DistributedType.NO: no DDP, gradients never averaged); on a machine without CUDA "
+                "create the trainer with TrainingArguments(use_cpu=True)"
+            )
     options = {k: v for k, v in context.options.items() if v is not None}
-    context = setup(context.mode.name, config, **options)  # the config: its text decoder's type
+    context = setup(context.mode, config, **options)  # the config: its text decoder's type
     if not context.sequence_parallel:  # data_parallel: the Trainer already is one
         return trainer
     topology = context.topology(trainer.accelerator.num_processes)
@@ -86,21 +88,30 @@ def prepare(context, trainer):
 def _check_supported(trainer) -> None:
     args = trainer.args
     if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
-        raise ValueError("train_sampling_strategy='batch_rebalance' is not supported by prepare_trainer (its sampler "
-                         "gives every process its own batch; an SP group needs one); use 'random' or 'group_by_length'")
+        raise ValueError(
+            "train_sampling_strategy='batch_rebalance' is not supported by prepare_trainer (its sampler "
+            "gives every process its own batch; an SP group needs one); use 'random' or 'group_by_length'"
+        )
     if getattr(args, "eval_use_gather_object", False):
-        raise ValueError("eval_use_gather_object=True is not supported by prepare_trainer; evaluation results must "
-                         "be tensors")
+        raise ValueError(
+            "eval_use_gather_object=True is not supported by prepare_trainer; evaluation results must be tensors"
+        )
     if getattr(args, "label_smoothing_factor", 0):
-        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} is not supported by prepare_trainer "
-                         "(the label smoother shifts labels after sharding); set it to 0")
+        raise ValueError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is not supported by prepare_trainer "
+            "(the label smoother shifts labels after sharding); set it to 0"
+        )
     if getattr(trainer, "compute_loss_func", None) is not None:
-        raise ValueError("compute_loss_func is not supported by prepare_trainer: it would get this rank's share of "
-                         "each row; the model's own loss (labels / shift_labels) is")
+        raise ValueError(
+            "compute_loss_func is not supported by prepare_trainer: it would get this rank's share of "
+            "each row; the model's own loss (labels / shift_labels) is"
+        )
     check_training_config(trainer.model.config)
     if not getattr(trainer, "model_accepts_loss_kwargs", True):
-        raise ValueError(f"{type(trainer.model).__name__}.forward takes no **kwargs (num_items_in_batch, shift_labels); "
-                         "prepare_trainer needs a model whose loss takes them, as transformers' causal LMs do")
+        raise ValueError(
+            f"{type(trainer.model).__name__}.forward takes no **kwargs (num_items_in_batch, shift_labels); "
+            "prepare_trainer needs a model whose loss takes them, as transformers' causal LMs do"
+        )
 
 
 class SeqParallelTrainerMixin:
@@ -123,8 +134,10 @@ class SeqParallelTrainerMixin:
                 outputs = batches.gather_logits(outputs, local, row_length)
             return (loss, outputs) if return_outputs else loss
         if num_items_in_batch is None:
-            raise ValueError("prepare_trainer: training needs num_items_in_batch (the batch has no labels, or the "
-                             "model's loss takes no num_items_in_batch)")
+            raise ValueError(
+                "prepare_trainer: training needs num_items_in_batch (the batch has no labels, or the "
+                "model's loss takes no num_items_in_batch)"
+            )
         # Counted over whole rows on each of the SP group's ranks.
         return super().compute_loss(model, local, return_outputs, num_items_in_batch / batches.topology.sp_size)
 
@@ -144,12 +157,14 @@ class SeqParallelTrainerMixin:
         self._seq_parallel.keep_logits = not prediction_loss_only
         if not any(inputs.get(name) is not None for name in (*self.label_names, "shift_labels")):
             # The Trainer would call the model on whole rows, bypassing compute_loss (and the sharding).
-            raise ValueError("prepare_trainer: evaluate()/predict() batches need labels (the Trainer runs label-less "
-                             "batches outside compute_loss, unsharded)")
+            raise ValueError(
+                "prepare_trainer: evaluate()/predict() batches need labels (the Trainer runs label-less "
+                "batches outside compute_loss, unsharded)"
+            )
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _seq_parallel_class(base: type) -> type:
     return type(f"SeqParallel{base.__name__}", (SeqParallelTrainerMixin, base), {"__module__": base.__module__})
 
@@ -169,19 +184,27 @@ class _Batches:
         input_ids = inputs["input_ids"]
         batch, length = input_ids.shape
         for key, value in inputs.items():
-            if key not in PER_TOKEN_KEYS + RESTATED_KEYS and torch.is_tensor(value) and value.dim() >= 2 \
-                    and tuple(value.shape[:2]) == (batch, length):
-                raise ValueError(f"prepare_trainer: batch key {key!r} has a value per token and cannot be sharded; "
-                                 f"supported per-token keys: {list(PER_TOKEN_KEYS)}")
+            if (
+                key not in PER_TOKEN_KEYS + RESTATED_KEYS
+                and torch.is_tensor(value)
+                and value.dim() >= 2
+                and tuple(value.shape[:2]) == (batch, length)
+            ):
+                raise ValueError(
+                    f"prepare_trainer: batch key {key!r} has a value per token and cannot be sharded; "
+                    f"supported per-token keys: {list(PER_TOKEN_KEYS)}"
+                )
         if any(key in inputs for key in RESTATED_KEYS) and inputs.get("position_ids") is None:
-            raise ValueError(f"prepare_trainer: {[k for k in RESTATED_KEYS if k in inputs]} without position_ids; "
-                             "packed batches must carry position_ids restarting at each document")
+            raise ValueError(
+                f"prepare_trainer: {[k for k in RESTATED_KEYS if k in inputs]} without position_ids; "
+                "packed batches must carry position_ids restarting at each document"
+            )
         self._check_same_batch(input_ids)
         targets = inputs.get("shift_labels")
         if targets is None and inputs.get("labels") is not None:
             targets = F.pad(inputs["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
         positions, padding = inputs.get("position_ids"), inputs.get("attention_mask")
-        extra = (-length) % self.layout.multiple
+        extra = self.layout.padding(length)
         if extra:  # pad to a length the layout splits; the pads are masked and have no target
             if positions is None:
                 positions = torch.arange(length, device=input_ids.device).expand(batch, length)
@@ -203,10 +226,14 @@ class _Batches:
 
     def _check_same_batch(self, input_ids: torch.Tensor) -> None:
         """Every rank of the SP group must hold the same rows (one all-gather of 4 numbers)."""
-        self.context.check_same([input_ids.long()], lambda shapes: (
-            f"the ranks of a sequence-parallel group got different batches (rows x length by SP rank: {shapes}); "
-            "every rank of a group must read the same rows. A sampler or dataset that depends on the process rank "
-            "(or draws from each process's own random state) causes this."))
+        self.context.check_same(
+            [input_ids.long()],
+            lambda shapes: (
+                f"the ranks of a sequence-parallel group got different batches (rows x length by SP rank: {shapes}); "
+                "every rank of a group must read the same rows. A sampler or dataset that depends on the process rank "
+                "(or draws from each process's own random state) causes this."
+            ),
+        )
 
     def gather_once_per_sp_group(self, data, use_gather_object=False):
         """accelerate's gather_for_metrics over the data-parallel groups: SP rank 0's results
@@ -215,7 +242,9 @@ class _Batches:
         from accelerate.utils import gather, recursively_apply
 
         if use_gather_object:
-            raise ValueError("prepare_trainer: eval_use_gather_object=True is not supported; evaluation results must be tensors")
+            raise ValueError(
+                "prepare_trainer: eval_use_gather_object=True is not supported; evaluation results must be tensors"
+            )
         dp, sp = self.topology.dp_size, self.topology.sp_size
         state = GradientState()
 
@@ -242,8 +271,10 @@ class _Batches:
     def gather_logits(self, outputs, local: dict, row_length: int):
         others = [key for key, value in outputs.items() if key not in ("loss", "logits") and value is not None]
         if others:
-            raise ValueError(f"prepare_trainer: predict()/compute_metrics would get {others} of this rank's shard only; "
-                             "only logits are gathered back to whole rows")
+            raise ValueError(
+                f"prepare_trainer: predict()/compute_metrics would get {others} of this rank's shard only; "
+                "only logits are gathered back to whole rows"
+            )
         logits = getattr(outputs, "logits", None)
         if logits is not None:
             whole = self.context.gather(logits.detach(), dim=1, token_index=local.get("seq_parallel_index"))
@@ -266,18 +297,25 @@ def _read_by_sp_group(trainer, topology) -> None:
             if topology.dp_size > 1 and isinstance(data_loader.dataset, IterableDataset):
                 # accelerate evens out iterable shards by repeating samples, and only its
                 # dispatcher (which slices over every process) knows how many to drop.
-                raise ValueError("prepare_trainer: an IterableDataset (streaming) with several data-parallel groups "
-                                 f"(dp_size={topology.dp_size}) is not supported; use a map-style dataset or sp_size = world size")
+                raise ValueError(
+                    "prepare_trainer: an IterableDataset (streaming) with several data-parallel groups "
+                    f"(dp_size={topology.dp_size}) is not supported; use a map-style dataset or sp_size = world size"
+                )
             _seed_shuffling(data_loader, accelerator)
             _seed_workers_by_group(data_loader, dp_rank)
             data_loader = prepare_data_loader(
-                data_loader, accelerator.device, num_processes=topology.dp_size, process_index=dp_rank,
+                data_loader,
+                accelerator.device,
+                num_processes=topology.dp_size,
+                process_index=dp_rank,
                 split_batches=accelerator.split_batches,
                 put_on_device=accelerator.device_placement if device_placement is None else device_placement,
                 rng_types=accelerator.rng_types.copy(),
                 dispatch_batches=False,  # the dispatcher would slice batches over every process
-                even_batches=accelerator.even_batches, use_seedable_sampler=accelerator.use_seedable_sampler,
-                data_seed=accelerator.dataloader_config.data_seed, non_blocking=accelerator.non_blocking,
+                even_batches=accelerator.even_batches,
+                use_seedable_sampler=accelerator.use_seedable_sampler,
+                data_seed=accelerator.dataloader_config.data_seed,
+                non_blocking=accelerator.non_blocking,
                 use_stateful_dataloader=accelerator.use_stateful_dataloader,
             )
             data_loader._is_accelerate_prepared = True  # what accelerator.prepare marks; register only records it

@@ -10,11 +10,11 @@ instead of comparing its name.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
-from easy_context.core.layout import WHOLE_SEQUENCE, Layout
 from easy_context.core.groups import Topology, divisors
+from easy_context.core.layout import WHOLE_SEQUENCE, Layout
 from easy_context.modes.costs import Activations, AttentionShape, Traffic
 
 __all__ = ["SeqParallelMode", "get_mode", "modes_with", "MODE_NAMES", "BUILT_MODES"]
@@ -32,14 +32,14 @@ def no_activations(shape: AttentionShape) -> Activations:
 class SeqParallelMode:
     name: str
     # (sp_size, requested ring_degree or None) -> ring_degree; raises for impossible requests.
-    ring_degree: Callable[[int, Optional[int]], int]
+    ring_degree: Callable[[int, int | None], int]
     zigzag: bool
     # (q, k, v, scale, groups: SeqParallelGroups, layer=None, mask=None, softcap=None,
     # sinks=None) -> out; q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D), out (B, Hq, S_local, D);
     # layer is the HF attention module (a cache key for checkpoint-aware modes); mask a
     # masking.SequenceMask over the SP group's whole sequence (None: plain causal); softcap
     # and sinks (Hq,) change the logits (ring.ring_attention). None: the model's own attention.
-    attention: Optional[Callable]
+    attention: Callable | None
     # The mode can follow a layout per packed row (document_split): its ring cuts each document
     # the way it cuts one causal row. Ulysses alone is balanced already (every rank attends the
     # whole sequence for its heads), data_parallel has nothing to split.
@@ -48,7 +48,7 @@ class SeqParallelMode:
     # the other modes fix the split and refuse any other value.
     takes_ring_degree: bool = False
     # sp_size -> the ring degrees a planner considers (None: the mode's one split).
-    ring_degree_choices: Optional[Callable[[int], tuple]] = None
+    ring_degree_choices: Callable[[int], tuple] | None = None
     # Costs of one layer on one rank (modes/costs.py): bytes sent, and activation bytes per token.
     traffic: Callable[[AttentionShape], Traffic] = no_traffic
     activations: Callable[[AttentionShape], Activations] = no_activations
@@ -72,14 +72,18 @@ class SeqParallelMode:
             return tuple(self.ring_degree_choices(sp_size))
         return (self.ring_degree(sp_size, None),)
 
-    def topology(self, world_size: int, sp_size: Optional[int] = None, ring_degree: Optional[int] = None) -> Topology:
+    def topology(self, world_size: int, sp_size: int | None = None, ring_degree: int | None = None) -> Topology:
         if self.attention is None:  # data_parallel: every rank holds whole sequences
             if sp_size not in (None, 1) or ring_degree not in (None, 1):
-                raise ValueError(f"data_parallel has no sequence parallelism; got sp_size={sp_size}, ring_degree={ring_degree}")
+                raise ValueError(
+                    f"data_parallel has no sequence parallelism; got sp_size={sp_size}, ring_degree={ring_degree}"
+                )
             return Topology(world_size, 1, 1)
         sp = world_size if sp_size is None else sp_size
         if sp < 1 or world_size % sp:
-            raise ValueError(f"sp_size={sp_size} does not divide the world size {world_size}; choose one of {divisors(world_size)}")
+            raise ValueError(
+                f"sp_size={sp_size} does not divide the world size {world_size}; choose one of {divisors(world_size)}"
+            )
         return Topology(world_size, sp, self.ring_degree(sp, ring_degree))
 
     def layout(self, topology: Topology) -> Layout:
@@ -91,10 +95,12 @@ class SeqParallelMode:
 def fixed_ring_degree(mode: str, value_of_sp: Callable[[int], int], hint: str):
     """A ring_degree rule for modes whose split is fixed; refuses any other request."""
 
-    def rule(sp_size: int, requested: Optional[int]) -> int:
+    def rule(sp_size: int, requested: int | None) -> int:
         value = value_of_sp(sp_size)
         if requested not in (None, value):
-            raise ValueError(f"{mode} uses ring_degree={value} for sp_size={sp_size}, got ring_degree={requested}; {hint}")
+            raise ValueError(
+                f"{mode} uses ring_degree={value} for sp_size={sp_size}, got ring_degree={requested}; {hint}"
+            )
         return value
 
     return rule

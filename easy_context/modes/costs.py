@@ -34,7 +34,7 @@ class AttentionShape:
     heads: int
     kv_heads: int
     head_dim: int
-    dtype_bytes: int              # q, k, v, the output and their gradients
+    dtype_bytes: int  # q, k, v, the output and their gradients
     sp_size: int = 1
     ring_degree: int = 1
     seq_len: int = 0
@@ -65,9 +65,12 @@ class Traffic:
     all_to_all_backward: float = 0
 
     def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(self.p2p_forward + other.p2p_forward, self.p2p_backward + other.p2p_backward,
-                       self.all_to_all_forward + other.all_to_all_forward,
-                       self.all_to_all_backward + other.all_to_all_backward)
+        return Traffic(
+            self.p2p_forward + other.p2p_forward,
+            self.p2p_backward + other.p2p_backward,
+            self.all_to_all_forward + other.all_to_all_forward,
+            self.all_to_all_backward + other.all_to_all_backward,
+        )
 
     @property
     def total(self) -> float:  # one forward and one backward
@@ -78,9 +81,9 @@ class Traffic:
 class Activations:
     """Bytes per local token of one layer that a mode adds to a plain attention layer's."""
 
-    kv_replication: int = 1       # KV heads repeated so they split over the Ulysses degree
-    saved: int = 0                # kept for the backward besides q, k, v, the output and lse
-    backward_buffers: int = 0     # live during the attention backward besides the kernel's dq, dk, dv
+    kv_replication: int = 1  # KV heads repeated so they split over the Ulysses degree
+    saved: int = 0  # kept for the backward besides q, k, v, the output and lse
+    backward_buffers: int = 0  # live during the attention backward besides the kernel's dq, dk, dv
     # Under activation checkpointing, kept for the whole step (modes with keeps_attention_output)
     kept_for_recompute: int = 0
 
@@ -99,9 +102,11 @@ def ring_traffic(shape: AttentionShape, kv_heads: int) -> Traffic:
     r = shape.ring_degree
     if r == 1:
         return Traffic()
-    kv = shape.batch * kv_heads * shape.local_len * shape.head_dim   # elements of K (and of V)
-    return Traffic(p2p_forward=2 * (r - 1) * kv * shape.dtype_bytes,
-                   p2p_backward=2 * (r - 1) * kv * shape.dtype_bytes + 2 * (r - 1) * kv * shape.accumulate_bytes)
+    kv = shape.batch * kv_heads * shape.local_len * shape.head_dim  # elements of K (and of V)
+    return Traffic(
+        p2p_forward=2 * (r - 1) * kv * shape.dtype_bytes,
+        p2p_backward=2 * (r - 1) * kv * shape.dtype_bytes + 2 * (r - 1) * kv * shape.accumulate_bytes,
+    )
 
 
 def ring_buffers(shape: AttentionShape, kv_width: int) -> int:
@@ -148,22 +153,26 @@ def balanced_schedule_traffic(shape: AttentionShape) -> Traffic:
     e, acc, n = shape.dtype_bytes, shape.accumulate_bytes, shape.local_len
     kv = shape.batch * shape.kv_heads * n * shape.head_dim
 
-    def helped_owner(rows):   # (forward, backward) bytes the owner of the queries sends
+    def helped_owner(rows):  # (forward, backward) bytes the owner of the queries sends
         q, lse = shape.batch * shape.heads * rows * shape.head_dim, shape.batch * shape.heads * rows
         return q * e, 3 * q * e + 4 * lse
 
-    def helper(rows):         # (forward, backward) bytes the rank that computes them sends back
+    def helper(rows):  # (forward, backward) bytes the rank that computes them sends back
         q, lse = shape.batch * shape.heads * rows * shape.head_dim, shape.batch * shape.heads * rows
         return q * e + 4 * lse, q * acc
 
     lender, borrower = (2 * kv * e, 2 * kv * e), (0, 2 * kv * acc)
-    rounds = (p - 1) // 2          # rounds with whole units; an even P adds a middle round
-    middle = n - n // 2 if p % 2 == 0 else 0   # the rows of a middle unit that move
+    rounds = (p - 1) // 2  # rounds with whole units; an even P adds a middle round
+    middle = n - n // 2 if p % 2 == 0 else 0  # the rows of a middle unit that move
 
     def sent(r):
         borrowing, lending = min(r, rounds), min(rounds, p - 1 - r)
-        parts = [(borrower, borrowing), (helper(n), rounds - borrowing), (lender, lending),
-                 (helped_owner(n), rounds - lending)]
+        parts = [
+            (borrower, borrowing),
+            (helper(n), rounds - borrowing),
+            (lender, lending),
+            (helped_owner(n), rounds - lending),
+        ]
         if middle:
             parts += [(borrower, 1), (helped_owner(middle), 1)] if r >= p // 2 else [(lender, 1), (helper(middle), 1)]
         return sum(f * k for (f, _), k in parts), sum(b * k for (_, b), k in parts)

@@ -6,5 +6,11 @@ switch modes with one flag. Its attention sends nothing and keeps nothing beyond
 
 from easy_context.modes import SeqParallelMode, no_activations, no_traffic
 
-MODE = SeqParallelMode("data_parallel", ring_degree=lambda sp, requested: 1, zigzag=False, attention=None,
-                       traffic=no_traffic, activations=no_activations)
+MODE = SeqParallelMode(
+    "data_parallel",
+    ring_degree=lambda sp, requested: 1,
+    zigzag=False,
+    attention=None,
+    traffic=no_traffic,
+    activations=no_activations,
+)

@@ -72,7 +72,9 @@ class DistFlashPlan:
         layout of its own per row (document_split) is not half of its rows."""
         if not self.layout.per_row:
             return unit.rows(self.local_len)
-        return split_rows(self.mask, unit, {r: self._positions(r) for r in (unit.q_owner, unit.kv_owner)}, self.local_len)
+        return split_rows(
+            self.mask, unit, {r: self._positions(r) for r in (unit.q_owner, unit.kv_owner)}, self.local_len
+        )
 
     def _positions(self, rank: int):
         return self.layout.ring_positions(self.seq_len, rank)

@@ -17,10 +17,18 @@ import math
 import torch
 import torch.distributed as dist
 
-from easy_context.modes import SeqParallelMode, fixed_ring_degree
-from easy_context.modes.costs import (Activations, AttentionShape, Traffic, all_to_all_buffers, all_to_all_traffic,
-                                      kv_replication, ring_buffers, ring_traffic)
 from easy_context.core.groups import divisors
+from easy_context.modes import SeqParallelMode, fixed_ring_degree
+from easy_context.modes.costs import (
+    Activations,
+    AttentionShape,
+    Traffic,
+    all_to_all_buffers,
+    all_to_all_traffic,
+    kv_replication,
+    ring_buffers,
+    ring_traffic,
+)
 from easy_context.modes.zigzag_ring_attn import zigzag_ring_attention
 
 
@@ -142,8 +150,11 @@ def ulysses_activations(shape: AttentionShape) -> Activations:
         return Activations(backward_buffers=ring_buffers(shape, shape.kv_heads * shape.head_dim))
     rep = kv_replication(shape)
     ring = ring_buffers(shape, shape.kv_heads * rep * shape.head_dim)
-    return Activations(kv_replication=rep, saved=shape.dtype_bytes * shape.heads * shape.head_dim,
-                       backward_buffers=ring + all_to_all_buffers(shape))
+    return Activations(
+        kv_replication=rep,
+        saved=shape.dtype_bytes * shape.heads * shape.head_dim,
+        backward_buffers=ring + all_to_all_buffers(shape),
+    )
 
 
 MODE = SeqParallelMode(

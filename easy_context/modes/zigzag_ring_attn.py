@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from easy_context.core.masking import Block
+from easy_context.core.ring import masked_ring_plan, ring_attention
 from easy_context.modes import SeqParallelMode, fixed_ring_degree
 from easy_context.modes.costs import Activations, ring_buffers, ring_traffic
-from easy_context.core.ring import masked_ring_plan, ring_attention
 
 _ALL = slice(None)
 

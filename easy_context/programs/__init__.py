@@ -1,13 +1,13 @@
 """What the programs (train.py, eval_needle.py, eval_ppl.py, the planner) need, apart from the library.
 
-    launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
-    data/          datasets to packed rows; the embedded default corpus
-    models.py      load or build a model for a supported type
-    loss.py        exact next-token loss over an SP group
-    checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resume checks
-    tiled_mlp.py   MLPs run in sequence tiles (activation memory)
-    needle.py      needle / passkey prompts for any tokenizer
-    evaluation.py  score whole sequences over an SP group (no grad, per-token results)
-    plots.py       heatmaps and curves
-    plan.py        the planner: memory and time per mode for a model, length and cluster
+launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
+data/          datasets to packed rows; the embedded default corpus
+models.py      load or build a model for a supported type
+loss.py        exact next-token loss over an SP group
+checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resume checks
+tiled_mlp.py   MLPs run in sequence tiles (activation memory)
+needle.py      needle / passkey prompts for any tokenizer
+evaluation.py  score whole sequences over an SP group (no grad, per-token results)
+plots.py       heatmaps and curves
+plan.py        the planner: memory and time per mode for a model, length and cluster
 """

@@ -17,17 +17,46 @@ from pathlib import Path
 
 from easy_context.programs.launch import injected_fault
 
-__all__ = ["CHECKPOINT_NAME", "RESUME_KEYS", "CheckpointError", "Checkpoints", "checkpoint_dirs", "checkpoints_to_prune",
-           "legacy_resume_values", "read_trainer_state", "resolve_resume", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "RESUME_KEYS",
+    "CheckpointError",
+    "Checkpoints",
+    "checkpoint_dirs",
+    "checkpoints_to_prune",
+    "legacy_resume_values",
+    "read_trainer_state",
+    "resolve_resume",
+    "save_checkpoint",
+]
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 # These shape the data order, the schedule or the model: a resumed run must use the same
 # values (and the same number of processes) to continue exactly.
-RESUME_KEYS = ("seq_length", "batch_size", "gradient_accumulate_every", "parallel_mode", "sp_size", "ring_degree",
-               "seed", "dataset", "text_column", "streaming", "retrieval_fraction", "model", "max_rows", "max_train_steps",
-               "learning_rate", "warmup_steps", "weight_decay", "rope_theta", "world_size", "document_masking",
-               "balance_documents")
+RESUME_KEYS = (
+    "seq_length",
+    "batch_size",
+    "gradient_accumulate_every",
+    "parallel_mode",
+    "sp_size",
+    "ring_degree",
+    "seed",
+    "dataset",
+    "text_column",
+    "streaming",
+    "retrieval_fraction",
+    "model",
+    "max_rows",
+    "max_train_steps",
+    "learning_rate",
+    "warmup_steps",
+    "weight_decay",
+    "rope_theta",
+    "world_size",
+    "document_masking",
+    "balance_documents",
+)
 
 
 class CheckpointError(ValueError):
@@ -37,8 +66,11 @@ class CheckpointError(ValueError):
 def checkpoint_dirs(output_dir: str) -> list[Path]:
     """Complete checkpoints, oldest first. A save in progress (or killed) lives in a
     `checkpoint-N.partial` folder, which never matches."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*")
-             if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer_state.json").exists()]
+    found = [
+        p
+        for p in Path(output_dir).glob("checkpoint-*")
+        if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer_state.json").exists()
+    ]
     return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
 
 
@@ -61,16 +93,24 @@ def read_trainer_state(path: Path) -> dict:
     try:
         state = json.loads((path / "trainer_state.json").read_text())
     except ValueError as error:
-        raise CheckpointError(f"--resume-from-checkpoint {path}: trainer_state.json is not valid JSON ({error})") from error
+        raise CheckpointError(
+            f"--resume-from-checkpoint {path}: trainer_state.json is not valid JSON ({error})"
+        ) from error
     if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("args"), dict)):
-        raise CheckpointError(f"--resume-from-checkpoint {path}: not a train.py checkpoint (its trainer_state.json has no "
-                              "'step' and 'args'; an HF Trainer checkpoint cannot be resumed here)")
+        raise CheckpointError(
+            f"--resume-from-checkpoint {path}: not a train.py checkpoint (its trainer_state.json has no "
+            "'step' and 'args'; an HF Trainer checkpoint cannot be resumed here)"
+        )
     return state
 
 
 def legacy_resume_values(saved: dict) -> dict:
     """What checkpoints written before a flag existed were trained with."""
-    return {"text_column": "text", "streaming": False, "retrieval_fraction": 0.0 if saved.get("dataset") is None else None}
+    return {
+        "text_column": "text",
+        "streaming": False,
+        "retrieval_fraction": 0.0 if saved.get("dataset") is None else None,
+    }
 
 
 def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
@@ -98,7 +138,10 @@ def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
         os.replace(partial, final)
         doomed += [set_aside(old) for old in checkpoints_to_prune(args.output_dir, args.save_total_limit, step)]
         # left by killed saves, or by deletions a finished process did not complete
-        doomed += [*Path(args.output_dir).glob("checkpoint-*.partial"), *Path(args.output_dir).glob("checkpoint-*.stale-*")]
+        doomed += [
+            *Path(args.output_dir).glob("checkpoint-*.partial"),
+            *Path(args.output_dir).glob("checkpoint-*.stale-*"),
+        ]
         threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True).start()
     accelerator.wait_for_everyone()
     return final
@@ -116,7 +159,7 @@ def checkpoints_to_prune(output_dir: str, save_total_limit: int | None, step: in
     if save_total_limit is None:
         return []
     older = [p for p in checkpoint_dirs(output_dir) if int(CHECKPOINT_NAME.fullmatch(p.name)[1]) < step]
-    return older[:max(0, len(older) - (save_total_limit - 1))]
+    return older[: max(0, len(older) - (save_total_limit - 1))]
 
 
 class Checkpoints:
@@ -133,14 +176,19 @@ class Checkpoints:
         state = read_trainer_state(path)
         self.args.world_size = self.accelerator.num_processes
         saved = {**legacy_resume_values(state["args"]), **state["args"]}
-        changed = {k: (saved.get(k), getattr(self.args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(self.args, k)}
+        changed = {
+            k: (saved.get(k), getattr(self.args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(self.args, k)
+        }
         if changed:
-            raise CheckpointError(f"cannot resume {path}: these flags differ from the checkpoint (checkpoint, now): {changed}")
+            raise CheckpointError(
+                f"cannot resume {path}: these flags differ from the checkpoint (checkpoint, now): {changed}"
+            )
         try:
             self.accelerator.load_state(str(path))
         except (OSError, RuntimeError, ValueError) as error:  # a folder with missing or truncated files
-            raise CheckpointError(f"--resume-from-checkpoint {path}: cannot load it "
-                                  f"({' '.join(str(error).split())[:300]})") from error
+            raise CheckpointError(
+                f"--resume-from-checkpoint {path}: cannot load it ({' '.join(str(error).split())[:300]})"
+            ) from error
         self.newest = (state["step"], path)
         return state["step"], state.get("skipped_steps", 0)
 

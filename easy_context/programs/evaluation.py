@@ -72,15 +72,26 @@ class SeqParallelScorer:
     items. Without it only the SP group's collectives bind ranks together.
     """
 
-    def __init__(self, model, mode: str, rank: int, world_size: int, device, *, sp_size=None, ring_degree=None,
-                 chunk_size: int = 4096, lockstep: bool = False):
+    def __init__(
+        self,
+        model,
+        mode: str,
+        rank: int,
+        world_size: int,
+        device,
+        *,
+        sp_size=None,
+        ring_degree=None,
+        chunk_size: int = 4096,
+        lockstep: bool = False,
+    ):
         self.model = getattr(model, "module", model)  # under DeepSpeed, hooks gather ZeRO-3 shards per submodule
         self.lockstep = lockstep and world_size > 1
         self.mode_name, self.mode = mode, get_mode(mode)
         self.rank, self.world_size, self.device, self.chunk_size = rank, world_size, device, chunk_size
         self.options = {"sp_size": sp_size, "ring_degree": ring_degree}
         self.topology = self.mode.topology(world_size, sp_size, ring_degree)
-        self.multiple = self.mode.layout(self.topology).multiple
+        self.layout = self.mode.layout(self.topology)
 
     # ------------------------------------------------------------------ one sequence
     @torch.no_grad()
@@ -93,14 +104,16 @@ class SeqParallelScorer:
         if target_ids is None:
             target_ids = torch.cat([input_ids[1:], input_ids.new_full((1,), IGNORE)])
         target_ids = target_ids.reshape(-1).long()
-        pad = -length % self.multiple
+        pad = self.layout.padding(length)
         ids = F.pad(input_ids, (0, pad), value=0)[None]
         targets = F.pad(target_ids, (0, pad), value=IGNORE)[None]
-        local = prepare_seq_parallel_inputs(self.mode_name, ids, None, targets, self.rank, self.world_size,
-                                            self.device, **self.options)
+        local = prepare_seq_parallel_inputs(
+            self.mode_name, ids, None, targets, self.rank, self.world_size, self.device, **self.options
+        )
         decoder, head = self.model.get_decoder(), logits_head(self.model)
-        hidden = decoder(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
-                         use_cache=False).last_hidden_state[0]
+        hidden = decoder(
+            input_ids=local["local_input_ids"], position_ids=local["local_position_ids"], use_cache=False
+        ).last_hidden_state[0]
         # The output layer runs only where a target is scored (for a needle prompt: the
         # answer), in chunks; elsewhere nll is 0 and the prediction -100.
         local_targets = local["local_target_ids"][0]
@@ -111,7 +124,7 @@ class SeqParallelScorer:
         if self.lockstep:
             dist.all_reduce(chunks, op=dist.ReduceOp.MAX)
         for start in range(0, int(chunks) * self.chunk_size, self.chunk_size):
-            rows = where[start:start + self.chunk_size]  # may be empty on some ranks (lockstep)
+            rows = where[start : start + self.chunk_size]  # may be empty on some ranks (lockstep)
             logits = head(hidden[rows]).float()
             predictions[rows] = logits.argmax(-1)
             nll[rows] = F.cross_entropy(logits, local_targets[rows], reduction="none")
@@ -144,8 +157,18 @@ class SeqParallelScorer:
         return [result for _, result in sorted(results, key=lambda pair: pair[0])]
 
 
-def load_scorer(accelerator, source: str, mode: str, *, max_length: int, sp_size=None, ring_degree=None,
-                rope_theta=None, dtype: str = "auto", chunk_size: int = 4096):
+def load_scorer(
+    accelerator,
+    source: str,
+    mode: str,
+    *,
+    max_length: int,
+    sp_size=None,
+    ring_degree=None,
+    rope_theta=None,
+    dtype: str = "auto",
+    chunk_size: int = 4096,
+):
     """(scorer, tokenizer) for a model ready to evaluate under `mode`: loaded, checked for what
     sequence parallelism cannot run at `max_length` (ValueError/OSError), patched, in eval
     mode, and either a full copy on this rank's device or, under DeepSpeed (the inference
@@ -160,6 +183,15 @@ def load_scorer(accelerator, source: str, mode: str, *, max_length: int, sp_size
     model.eval()
     deepspeed = accelerator.state.deepspeed_plugin is not None
     model = accelerator.prepare(model) if deepspeed else model.to(accelerator.device)
-    scorer = SeqParallelScorer(model, mode, rank, world, accelerator.device, sp_size=sp_size, ring_degree=ring_degree,
-                               chunk_size=chunk_size, lockstep=deepspeed)
+    scorer = SeqParallelScorer(
+        model,
+        mode,
+        rank,
+        world,
+        accelerator.device,
+        sp_size=sp_size,
+        ring_degree=ring_degree,
+        chunk_size=chunk_size,
+        lockstep=deepspeed,
+    )
     return scorer, tokenizer

@@ -21,12 +21,28 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["make_accelerator", "add_dist_timeout_flag", "add_parallel_mode_flags", "ring_degree_error", "fail", "script_failures", "Stage", "run_job", "run_main", "shutdown", "exit_process",
-           "injected_fault", "EXIT_BAD_INPUT", "EXIT_NONFINITE_LOSS", "EXIT_DIST_FAILURE", "DEFAULT_DIST_TIMEOUT"]
+__all__ = [
+    "make_accelerator",
+    "add_dist_timeout_flag",
+    "add_parallel_mode_flags",
+    "ring_degree_error",
+    "fail",
+    "script_failures",
+    "Stage",
+    "run_job",
+    "run_main",
+    "shutdown",
+    "exit_process",
+    "injected_fault",
+    "EXIT_BAD_INPUT",
+    "EXIT_NONFINITE_LOSS",
+    "EXIT_DIST_FAILURE",
+    "DEFAULT_DIST_TIMEOUT",
+]
 
-EXIT_BAD_INPUT = 2       # argparse's convention: nothing ran, fix the command
+EXIT_BAD_INPUT = 2  # argparse's convention: nothing ran, fix the command
 EXIT_NONFINITE_LOSS = 3  # training stopped on an inf/NaN loss (a checkpoint of the last good step was saved)
-EXIT_DIST_FAILURE = 4    # a collective timed out or a peer died: worth a retry from the last checkpoint
+EXIT_DIST_FAILURE = 4  # a collective timed out or a peer died: worth a retry from the last checkpoint
 
 # 10 minutes. A collective waits for the slowest peer, not for the step: at 1M tokens a step
 # takes minutes but every rank runs it in lockstep. What legitimately holds one rank back
@@ -53,18 +69,31 @@ def _dist_timeout(text: str) -> float:
 
 
 def add_dist_timeout_flag(parser) -> None:
-    parser.add_argument("--dist-timeout", type=_dist_timeout, default=DEFAULT_DIST_TIMEOUT, metavar="SECONDS",
-                        help="longest wait for a peer in any collective before every rank stops with a message "
-                             f"(default {DEFAULT_DIST_TIMEOUT:g} s)")
+    parser.add_argument(
+        "--dist-timeout",
+        type=_dist_timeout,
+        default=DEFAULT_DIST_TIMEOUT,
+        metavar="SECONDS",
+        help="longest wait for a peer in any collective before every rank stops with a message "
+        f"(default {DEFAULT_DIST_TIMEOUT:g} s)",
+    )
 
 
 def add_parallel_mode_flags(parser) -> None:
     """--parallel_mode and --ring_degree, in EasyContext's underscore spelling and the dashed one."""
     from easy_context.modes import MODE_NAMES
 
-    parser.add_argument("--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=MODE_NAMES)
-    parser.add_argument("--ring_degree", "--ring-degree", dest="ring_degree", type=int, default=None,
-                        help="usp_attn: ring part of the SP group")
+    parser.add_argument(
+        "--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=MODE_NAMES
+    )
+    parser.add_argument(
+        "--ring_degree",
+        "--ring-degree",
+        dest="ring_degree",
+        type=int,
+        default=None,
+        help="usp_attn: ring part of the SP group",
+    )
 
 
 def ring_degree_error(args) -> str | None:
@@ -72,7 +101,8 @@ def ring_degree_error(args) -> str | None:
     from easy_context.modes import get_mode, modes_with
 
     if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
-        return f"--ring_degree applies to {' / '.join(modes_with('takes_ring_degree'))} only (got --parallel_mode {args.parallel_mode})"
+        modes = " / ".join(modes_with("takes_ring_degree"))
+        return f"--ring_degree applies to {modes} only (got --parallel_mode {args.parallel_mode})"
     return None
 
 
@@ -103,8 +133,10 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
         kwargs["kwargs_handlers"] = [*kwargs.get("kwargs_handlers", []), InitProcessGroupKwargs(**init)]
     accelerator = Accelerator(**kwargs)
     if launched and accelerator.distributed_type.name == "NO":
-        raise ValueError(f"accelerate runs each of the {os.environ['WORLD_SIZE']} processes on its own "
-                           "(DistributedType.NO): gradients would never be averaged")
+        raise ValueError(
+            f"accelerate runs each of the {os.environ['WORLD_SIZE']} processes on its own "
+            "(DistributedType.NO): gradients would never be averaged"
+        )
     return accelerator
 
 
@@ -119,7 +151,9 @@ def _has_accelerator() -> bool:
 def _deepspeed_requested(kwargs) -> bool:
     from accelerate.utils import str_to_bool
 
-    return kwargs.get("deepspeed_plugin") is not None or bool(str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")))
+    return kwargs.get("deepspeed_plugin") is not None or bool(
+        str_to_bool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false"))
+    )
 
 
 # ------------------------------------------------------------------------------- failing
@@ -171,7 +205,7 @@ class Stage:
     def __init__(self, phase: str = "setup"):
         self.step, self.phase = None, phase
 
-    def at(self, phase: str, step: int | None = None) -> "Stage":
+    def at(self, phase: str, step: int | None = None) -> Stage:
         self.phase = phase
         if step is not None:
             self.step = step
@@ -182,8 +216,15 @@ class Stage:
 
 
 # What gloo and NCCL say when a peer is late or gone (gloo raises plain RuntimeErrors).
-_BACKEND_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "pair closure", "Connection reset by peer",
-                     "gloo/transport", "NCCL error")
+_BACKEND_FAILURES = (
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "pair closure",
+    "Connection reset by peer",
+    "gloo/transport",
+    "NCCL error",
+)
 
 
 def _is_backend_failure(error: BaseException) -> bool:
@@ -224,9 +265,12 @@ def script_failures(script: str, stage: Stage, timeout: float | None):
         limit = f"--dist-timeout {timeout:g} s" if timeout is not None else "the backend's timeout"
         detail = " ".join(str(error).split())[:300]
         # No teardown of the broken group: run_main ends the process without it.
-        fail(script, f"rank {rank}, {stage}: a collective failed ({detail}). A peer is stuck past {limit} or died "
-                     "(a stuck rank stopped by the launcher prints its stack); resume from the last checkpoint.",
-             EXIT_DIST_FAILURE)
+        fail(
+            script,
+            f"rank {rank}, {stage}: a collective failed ({detail}). A peer is stuck past {limit} or died "
+            "(a stuck rank stopped by the launcher prints its stack); resume from the last checkpoint.",
+            EXIT_DIST_FAILURE,
+        )
 
 
 # ----------------------------------------------------------------------- a script's run

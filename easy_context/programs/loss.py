@@ -31,7 +31,7 @@ def chunked_cross_entropy_sum(hidden, output_layer, targets, chunk_size: int = 4
     hidden, targets = hidden.flatten(0, 1), targets.flatten()
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
-        h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if torch.is_grad_enabled():
             total = total + checkpoint(_chunk_loss, output_layer, h, t, ignore_index, use_reentrant=False)
         else:
@@ -68,6 +68,7 @@ class CausalLMLoss(torch.nn.Module):
         return self.model.config
 
     def forward(self, input_ids, position_ids, target_ids, **attention_kwargs):
-        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                          **attention_kwargs).last_hidden_state
+        hidden = self.model.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs
+        ).last_hidden_state
         return chunked_cross_entropy_sum(hidden, logits_head(self.model), target_ids, self.loss_chunk_size)

@@ -54,5 +54,7 @@ def check_config(config, topology, seq_length: int, mode: str) -> None:
         raise ValueError(f"the model has attention_dropout={config.attention_dropout}; sequence parallelism needs 0.0")
     heads = config.num_attention_heads
     if heads % topology.ulysses_degree:
-        raise ValueError(f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "
-                         f"(parallel mode {mode}); use a degree dividing {heads} (--ring_degree with usp_attn) or zigzag_ring_attn")
+        raise ValueError(
+            f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "
+            f"(parallel mode {mode}); use a degree dividing {heads} (--ring_degree with usp_attn) or zigzag_ring_attn"
+        )

@@ -43,9 +43,35 @@ PASSKEY = Task(
 )
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 CITIES = (
-    "Chicago", "Yangon", "Antananarivo", "Colombo", "Almaty", "Sydney", "Mexico City", "Seattle", "Lagos",
-    "Amsterdam", "Belgrade", "Cairo", "Baghdad", "Damascus", "Kigali", "Dakar", "Sofia", "Victoria", "Tashkent",
-    "Mumbai", "Barcelona", "Kabul", "Lima", "Oslo", "Montevideo", "Helsinki", "Hanoi", "Quito", "Tbilisi",
+    "Chicago",
+    "Yangon",
+    "Antananarivo",
+    "Colombo",
+    "Almaty",
+    "Sydney",
+    "Mexico City",
+    "Seattle",
+    "Lagos",
+    "Amsterdam",
+    "Belgrade",
+    "Cairo",
+    "Baghdad",
+    "Damascus",
+    "Kigali",
+    "Dakar",
+    "Sofia",
+    "Victoria",
+    "Tashkent",
+    "Mumbai",
+    "Barcelona",
+    "Kabul",
+    "Lima",
+    "Oslo",
+    "Montevideo",
+    "Helsinki",
+    "Hanoi",
+    "Quito",
+    "Tbilisi",
 )
 
 # A sentence ends at . ! or ? (optionally followed by closing quotes or brackets) and
@@ -56,7 +82,10 @@ _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n\s*\n\s*")
 def _token_spans(tokenizer, text: str) -> list[tuple[int, int]]:
     """The (start, end) character span of each token of `text`."""
     if getattr(tokenizer, "is_fast", False):
-        return [tuple(span) for span in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+        return [
+            tuple(span)
+            for span in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        ]
     # Slow tokenizers have no offsets: tokenize sentence by sentence and give each token its
     # sentence's span (positions are then exact at sentence starts, which is all we use).
     spans, begin = [], 0
@@ -99,9 +128,9 @@ class Haystack:
 
     def sentence_start_near(self, token: float, limit: int) -> tuple[int, int]:
         """The sentence start (token, char) nearest `token` among those at or before `limit`."""
-        candidates = self.sentences[:max(1, bisect.bisect_right(self.sentences, (limit, float("inf"))))]
+        candidates = self.sentences[: max(1, bisect.bisect_right(self.sentences, (limit, float("inf"))))]
         i = bisect.bisect_left(candidates, (token, -1))
-        near = candidates[max(0, i - 1):i + 1]
+        near = candidates[max(0, i - 1) : i + 1]
         return min(near, key=lambda c: abs(c[0] - token))
 
     def sentence_length_at(self, token: int) -> int:
@@ -130,8 +159,16 @@ def _count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def build_prompt(tokenizer, haystack: Haystack, task: Task, length: int, depth: float, key: str, value: str,
-                 distractors: list[tuple[str, float]] = ()) -> Prompt:
+def build_prompt(
+    tokenizer,
+    haystack: Haystack,
+    task: Task,
+    length: int,
+    depth: float,
+    key: str,
+    value: str,
+    distractors: list[tuple[str, float]] = (),
+) -> Prompt:
     """A prompt of at most `length` tokens (usually exactly) with the needle at `depth`.
 
     distractors: (sentence, depth) pairs, other needles placed at their own depths.
@@ -156,8 +193,21 @@ def build_prompt(tokenizer, haystack: Haystack, task: Task, length: int, depth: 
 
     best = None
     for _ in range(8):  # re-tokenization can merge tokens across the joins: adjust the budget
-        prompt = _assemble(tokenizer, haystack, task, budget, depth, needle, needle_tokens, question, inserted,
-                           answer_ids, key, value, specials)
+        prompt = _assemble(
+            tokenizer,
+            haystack,
+            task,
+            budget,
+            depth,
+            needle,
+            needle_tokens,
+            question,
+            inserted,
+            answer_ids,
+            key,
+            value,
+            specials,
+        )
         excess = len(prompt.input_ids) - length
         if excess <= 0 and (best is None or len(prompt.input_ids) > len(best.input_ids)):
             best = prompt
@@ -171,8 +221,21 @@ def build_prompt(tokenizer, haystack: Haystack, task: Task, length: int, depth: 
     return best
 
 
-def _assemble(tokenizer, haystack, task, budget, depth, needle, needle_tokens, question, inserted, answer_ids,
-              key, value, specials) -> Prompt:
+def _assemble(
+    tokenizer,
+    haystack,
+    task,
+    budget,
+    depth,
+    needle,
+    needle_tokens,
+    question,
+    inserted,
+    answer_ids,
+    key,
+    value,
+    specials,
+) -> Prompt:
     context_tokens = budget + needle_tokens + sum(n for _, _, n in inserted)
     target = round(depth * (context_tokens - needle_tokens))  # needle start, in context tokens
     # The needle's depth comes first. A distractor goes before it only if it fits entirely
@@ -218,5 +281,7 @@ def _assemble(tokenizer, haystack, task, budget, depth, needle, needle_tokens, q
         actual_depth=(position - specials) / max(1, context - needle_tokens),
         key=key,
         value=value,
-        distractors=[text.strip() for _, _, text in sorted(insertions, key=lambda x: (x[0], x[1])) if text is not needle],
+        distractors=[
+            text.strip() for _, _, text in sorted(insertions, key=lambda x: (x[0], x[1])) if text is not needle
+        ],
     )

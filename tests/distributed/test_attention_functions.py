@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from ranks import run_ranks
-from easy_context.modes.dist_flash_attn import dist_flash_attention
+
 from easy_context.core.layout import Layout
+from easy_context.modes.dist_flash_attn import dist_flash_attention
 from easy_context.modes.zigzag_ring_attn import zigzag_ring_attention
 
 # name -> (function(q, k, v, scale, group), zigzag layout?)
@@ -74,7 +74,9 @@ def tolerances(dtype, inputs, d):
 def test_distributed_attention_matches_full_sdpa(world_size):
     per_rank = run_ranks(worker, world_size)
     assert len(per_rank[0]) == len(FUNCTIONS) * len(CASES)
-    for (name, label), hq, hkv, d, dtype in ((key, *case[1:5]) for key in per_rank[0] for case in CASES if case[0] == key[1]):
+    for (name, label), hq, hkv, d, dtype in (
+        (key, *case[1:5]) for key in per_rank[0] for case in CASES if case[0] == key[1]
+    ):
         layout = Layout(zigzag=FUNCTIONS[name][1], ring_degree=world_size)
         got = [layout.unshard([r[name, label][i] for r in per_rank], dim=2) for i in range(4)]
         inputs = full_inputs(hq, hkv, d, dtype)
@@ -104,8 +106,8 @@ def ulysses_worker(rank, world_size, mode_name, ring_degree):
     dout the kernels' backward got was a view of (B, S, H, D)-dense memory (cpu_flash copies
     any other layout: one more tensor alive at the peak of the backward, issue 16)."""
     import easy_context.core.blocks as ring
-    from easy_context.modes import get_mode
     from easy_context.core.groups import get_groups
+    from easy_context.modes import get_mode
 
     douts = []
     original = ring.attention_backward

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
-
 from ranks import run_ranks
+from tiny_models import tiny_batch, tiny_model
+
 from easy_context import (
     apply_seq_parallel_monkey_patch,
     gather_seq_parallel_outputs,
@@ -36,13 +37,39 @@ from easy_context import (
 )
 from easy_context.programs.loss import global_token_mean
 from easy_context.versions import enable_activation_checkpointing
-from tiny_models import tiny_batch, tiny_model
 
 SEQ = 128
-FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint",
-             "linspace", "eye", "empty_strided")
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "all_to_all", "broadcast",
-               "reduce", "reduce_scatter", "reduce_scatter_tensor", "batch_isend_irecv", "isend", "irecv", "send", "recv")
+FACTORIES = (
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "randn",
+    "rand",
+    "randint",
+    "linspace",
+    "eye",
+    "empty_strided",
+)
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "batch_isend_irecv",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+)
 P2P, ALL_TO_ALL = {"batch_isend_irecv", "isend", "irecv", "send", "recv"}, {"all_to_all_single", "all_to_all"}
 # (mode, options, model type, activation checkpointing, the communication the mode must be
 # seen to use). 2 ranks: usp_attn runs once as a pure ring (ring_degree 2) and once as pure
@@ -120,7 +147,9 @@ class DevicePlacementRecorder:
         elif isinstance(value, torch.Tensor):
             ptr = value.untyped_storage().data_ptr() if value.numel() else 0
             if ptr in self.made:
-                self.violations.append((name, f"dist.{name} at {_site(stack)} was given a tensor made by {self.made[ptr]}"))
+                self.violations.append(
+                    (name, f"dist.{name} at {_site(stack)} was given a tensor made by {self.made[ptr]}")
+                )
 
     def _collective(self, name, original):
         @functools.wraps(original)
@@ -172,16 +201,19 @@ def placement_worker(rank, world_size, runs):
         local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu", **options)
         recorder = DevicePlacementRecorder()
         with recorder.watching():
-            logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
-                           use_cache=False).logits
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), local["local_target_ids"].flatten(),
-                                       ignore_index=-100, reduction="sum")
+            logits = model(
+                input_ids=local["local_input_ids"], position_ids=local["local_position_ids"], use_cache=False
+            ).logits
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1).float(), local["local_target_ids"].flatten(), ignore_index=-100, reduction="sum"
+            )
             loss, _ = global_token_mean(loss_sum, local["local_target_ids"])
             loss.backward()
             gather_seq_parallel_outputs(mode, logits.detach(), **options)
         grads_seen = all(p.grad is not None for p in model.parameters())
-        reports.append(((mode, str(options), model_type, checkpointing), recorder.violations, grads_seen,
-                        set(recorder.calls)))
+        reports.append(
+            ((mode, str(options), model_type, checkpointing), recorder.violations, grads_seen, set(recorder.calls))
+        )
         remove_seq_parallel_monkey_patch()
     return reports
 
@@ -218,6 +250,10 @@ def test_every_collective_gets_tensors_made_on_the_data_device():
             assert called & expected and {"all_reduce", "all_gather"} <= called, (rank, run, called)
             for _, message in violations:
                 problems.setdefault(message, []).append(f"rank {rank} {run_name}")
-    assert not problems, "collectives were given tensors made without device= (NCCL refuses CPU tensors):\n" + "\n".join(
-        f"{message}\n    in {len(where)} rank x run(s): {', '.join(dict.fromkeys(where))}" for message, where in problems.items()
+    assert not problems, (
+        "collectives were given tensors made without device= (NCCL refuses CPU tensors):\n"
+        + "\n".join(
+            f"{message}\n    in {len(where)} rank x run(s): {', '.join(dict.fromkeys(where))}"
+            for message, where in problems.items()
+        )
     )

@@ -5,19 +5,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from ranks import run_ranks
+from test_models import errors, reference
+from tiny_models import tiny_batch, tiny_model
+
 from easy_context import (
     apply_seq_parallel_monkey_patch,
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from easy_context.modes.dist_flash_attn import REMAT_CACHE, balanced_schedule, dist_flash_attention, products_per_rank
-from easy_context.hf import active_patch
 from easy_context.core.kernels import FORWARD_CALLS
+from easy_context.modes.dist_flash_attn import REMAT_CACHE, balanced_schedule, dist_flash_attention, products_per_rank
 from easy_context.versions import enable_activation_checkpointing
-from test_models import errors, reference
-from tiny_models import tiny_batch, tiny_model
 
 
 @pytest.mark.parametrize("size", range(1, 9))
@@ -78,7 +77,10 @@ def _checkpointed_run(rank, world_size, mode, use_reentrant):
 
 def _checkpointed_worker(rank, world_size, use_reentrant):
     """Per mode: what _checkpointed_run measures."""
-    return {mode: _checkpointed_run(rank, world_size, mode, use_reentrant) for mode in ("dist_flash_attn", "zigzag_ring_attn")}
+    return {
+        mode: _checkpointed_run(rank, world_size, mode, use_reentrant)
+        for mode in ("dist_flash_attn", "zigzag_ring_attn")
+    }
 
 
 @pytest.mark.timeout(200)
@@ -121,7 +123,9 @@ def _zigzag_with_layer_worker(rank, world_size, use_reentrant):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_zigzag_checkpointed_backward_does_not_recompute_forward_attention(use_reentrant):
     _, want_loss, want_grads = reference(("llama", 2, torch.float32, "sdpa"), seq=120)
-    for forward_calls, backward_calls, left_in_cache, loss, grads in run_ranks(_zigzag_with_layer_worker, 2, use_reentrant):
+    for forward_calls, backward_calls, left_in_cache, loss, grads in run_ranks(
+        _zigzag_with_layer_worker, 2, use_reentrant
+    ):
         # 2 layers x 2 kernel calls per attention forward at 2 ranks, none again in the backward.
         assert (forward_calls, backward_calls, left_in_cache) == (4, 0, 0)
         _, loss_err, grad_err = errors((torch.zeros(1), loss, grads), (torch.zeros(1), want_loss, want_grads))
@@ -149,7 +153,9 @@ def _nondeterministic_recompute_worker(rank, world_size):
         input_ids, target_ids = tiny_batch(2, 120)
         local = prepare_seq_parallel_inputs("dist_flash_attn", input_ids, None, target_ids, rank, world_size, "cpu")
         logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), local["local_target_ids"].flatten(), ignore_index=-100, reduction="sum")
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), local["local_target_ids"].flatten(), ignore_index=-100, reduction="sum"
+        )
         FORWARD_CALLS.reset()
         loss.backward()
         return FORWARD_CALLS.calls, len(REMAT_CACHE)

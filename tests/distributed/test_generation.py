@@ -5,11 +5,11 @@ beam search, and the attention features decoding must keep (windows, sinks, soft
 
 import pytest
 import torch
-
 from ranks import run_ranks
+from tiny_models import VOCAB, tiny_model
+
 from easy_context import apply_seq_parallel_monkey_patch, generate, remove_seq_parallel_monkey_patch
 from easy_context.hf.generation import GROWTH, ShardedKVCache
-from tiny_models import VOCAB, tiny_model
 
 LOGITS_TOL = 1e-4  # test_models.py's fp32 forward bound; measured: greedy 1.8e-7, gemma2 softcap 3.3e-6
 NEW_TOKENS = 40
@@ -95,7 +95,7 @@ def test_sampling_and_beams_match_one_process(mode, world_size):
         assert all(torch.equal(other[case][2], sequences) for other in per_rank[1:]), ("ranks differ", case)
     assert per_rank[0]["sample-x2"][2].shape[0] == 4
     ended = per_rank[0]["eos"][2]
-    assert ended.shape[1] < 50 + NEW_TOKENS and (ended[0, 50 + 6:] == 0).all()  # row 0 padded after its EOS
+    assert ended.shape[1] < 50 + NEW_TOKENS and (ended[0, 50 + 6 :] == 0).all()  # row 0 padded after its EOS
 
 
 # Features decoding has to apply to every cached key: windows shorter than the prompt (per
@@ -137,13 +137,19 @@ def _bf16_worker(rank, world_size):
     forced = dict(kwargs, max_new_tokens=1)
     steps = range(ids.shape[1], fp32.sequences.shape[1])
     extended = [torch.cat([mask, torch.ones(2, n - ids.shape[1], dtype=mask.dtype)], dim=1) for n in steps]
-    want = [model.generate(fp32.sequences[:, :n], attention_mask=m, **forced).logits[0] for n, m in zip(steps, extended)]
+    want = [
+        model.generate(fp32.sequences[:, :n], attention_mask=m, **forced).logits[0] for n, m in zip(steps, extended)
+    ]
     model = model.to(torch.bfloat16)
-    theirs = [model.generate(fp32.sequences[:, :n], attention_mask=m, **forced).logits[0] for n, m in zip(steps, extended)]
+    theirs = [
+        model.generate(fp32.sequences[:, :n], attention_mask=m, **forced).logits[0] for n, m in zip(steps, extended)
+    ]
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
     try:
-        ours = [generate("zigzag_ring_attn", model, fp32.sequences[:, :n], attention_mask=m, **forced).logits[0]
-                for n, m in zip(steps, extended)]
+        ours = [
+            generate("zigzag_ring_attn", model, fp32.sequences[:, :n], attention_mask=m, **forced).logits[0]
+            for n, m in zip(steps, extended)
+        ]
     finally:
         remove_seq_parallel_monkey_patch()
     return [(float((a - w).abs().max()), float((b - w).abs().max())) for a, b, w in zip(ours, theirs, want)]
@@ -205,8 +211,16 @@ def _window_worker(rank, world_size):
     ids, mask = prompts(2, 300, seed=8, left_pad=(0, 17))
     kwargs = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, pad_token_id=0)
     got, cache = generate_keeping_cache(model, ids, mask, **kwargs)
-    layers = [(layer.window, layer.used - (layer.first - layer.base), layer.keys.shape[-2], layer.first,
-               cache.index[layer.first:].min().item()) for layer in cache.layers]
+    layers = [
+        (
+            layer.window,
+            layer.used - (layer.first - layer.base),
+            layer.keys.shape[-2],
+            layer.first,
+            cache.index[layer.first :].min().item(),
+        )
+        for layer in cache.layers
+    ]
     return torch.equal(got, model.generate(ids, attention_mask=mask, **kwargs)), cache.length, layers
 
 
@@ -247,7 +261,9 @@ def _refusals_worker(rank, world_size):
     refused("seeds", lambda: generate("zigzag_ring_attn", model, same, do_sample=True, max_new_tokens=2))
     torch.manual_seed(0)
     try:  # the same seed, but another temperature on each rank: the sampled tokens part ways
-        generate("zigzag_ring_attn", model, same, do_sample=True, top_k=0, temperature=0.5 + 2 * rank, max_new_tokens=30)
+        generate(
+            "zigzag_ring_attn", model, same, do_sample=True, top_k=0, temperature=0.5 + 2 * rank, max_new_tokens=30
+        )
     except RuntimeError as error:
         found["diverged"] = str(error)
     model.train()
@@ -300,10 +316,12 @@ def test_generate_refuses_what_it_cannot_do_in_one_process():
             "document_split": (dict(document_split=True), "document_split is for packed rows"),
             "guidance": (dict(guidance_scale=1.5), "guidance_scale is not supported"),
         }
-        for name, (kwargs, text) in cases.items():
+        for _name, (kwargs, text) in cases.items():
             with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
                 generate("zigzag_ring_attn", model, ids, **kwargs)
-        with pytest.raises(ValueError, match=r"input_ids must be a \(batch, seq_len\) tensor with seq_len >= 1, got \(30,\)"):
+        with pytest.raises(
+            ValueError, match=r"input_ids must be a \(batch, seq_len\) tensor with seq_len >= 1, got \(30,\)"
+        ):
             generate("zigzag_ring_attn", model, ids[0])
         with pytest.raises(ValueError, match=r"attention_mask shape \(2, 29\) != input_ids shape \(2, 30\)"):
             generate("zigzag_ring_attn", model, ids, attention_mask=mask[:, 1:])

@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
+from exactness import errors, step
 from ranks import run_ranks
+from tiny_models import tiny_batch, tiny_model
+
 from easy_context import (
     apply_seq_parallel_monkey_patch,
     gather_seq_parallel_outputs,
@@ -15,8 +17,6 @@ from easy_context import (
     remove_seq_parallel_monkey_patch,
 )
 from easy_context.hf import active_patch
-from exactness import errors, step
-from tiny_models import tiny_batch, tiny_model
 
 SEQ = 96
 
@@ -39,9 +39,20 @@ CASES = {
     "window-12": ("mistral", {"sliding_window": 12}, 2, None, None),  # shorter than any shard
     "window-40": ("mistral", {"sliding_window": 40}, 1, None, None),  # longer than a P=4 shard
     "window-60": ("mistral", {"sliding_window": 60}, 1, None, None),  # longer than a P=2 shard (48)
-    "per-layer-windows": ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}, 1, None, None),
-    "qwen3-per-layer-windows": ("qwen3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 20}, 1,
-                                None, None),
+    "per-layer-windows": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1},
+        1,
+        None,
+        None,
+    ),
+    "qwen3-per-layer-windows": (
+        "qwen3",
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 20},
+        1,
+        None,
+        None,
+    ),
     "packed-padded-window": ("mistral", {"sliding_window": 30}, 2, PACKED_ROWS, PADDING),
     # Issue 15's attention features under the same masks: sinks with padding rows that attend
     # nothing but the sink, softcapped masked tiles, padded value columns (MLA). gpt-oss and
@@ -95,11 +106,23 @@ def worker(rank, world_size, mode, options):
         model = tiny_model(model_type, **overrides)
         input_ids, target_ids = targets(batch, mask)
         local = prepare_seq_parallel_inputs(
-            mode, input_ids, None if positions is None else positions[:batch], target_ids, rank, world_size, "cpu",
+            mode,
+            input_ids,
+            None if positions is None else positions[:batch],
+            target_ids,
+            rank,
+            world_size,
+            "cpu",
             attention_mask=None if mask is None else mask[:batch],
         )
-        logits, loss = step(model, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"],
-                            group, attention_mask=local["local_attention_mask"])
+        logits, loss = step(
+            model,
+            local["local_input_ids"],
+            local["local_position_ids"],
+            local["local_target_ids"],
+            group,
+            attention_mask=local["local_attention_mask"],
+        )
         results[name] = (gather_seq_parallel_outputs(mode, logits), loss, summed_grads(model, group))
     remove_seq_parallel_monkey_patch()
     return results
@@ -126,7 +149,9 @@ def documents_alone(model, input_ids, positions):
     rows = []
     for ids, row_positions in zip(input_ids, positions):
         starts = (row_positions == 0).nonzero().flatten().tolist() + [len(row_positions)]
-        rows.append(torch.cat([model(input_ids=ids[None, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])], 1))
+        rows.append(
+            torch.cat([model(input_ids=ids[None, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])], 1)
+        )
     return torch.cat(rows)
 
 
@@ -186,8 +211,8 @@ def test_packed_documents_equal_each_document_run_alone():
     start = 0
     for length in (29, 1, 40, 26):
         with torch.no_grad():
-            alone = model(input_ids=input_ids[:, start:start + length]).logits
-        err = (logits[:, start:start + length] - alone).abs().max().item()
+            alone = model(input_ids=input_ids[:, start : start + length]).logits
+        err = (logits[:, start : start + length] - alone).abs().max().item()
         assert err <= 2e-6, (start, length, err)  # measured 1.8e-7
         start += length
 
@@ -200,11 +225,18 @@ def _split_worker(rank, world_size, mode, options):
     for name, model_type, overrides in (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30})):
         model = tiny_model(model_type, **overrides)
         input_ids, target_ids = targets(2, PADDING)
-        local = prepare_seq_parallel_inputs(mode, input_ids, PACKED_ROWS, target_ids, rank, world_size, "cpu",
-                                            attention_mask=PADDING)
-        logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"],
-                       attention_mask=local["local_attention_mask"], seq_parallel_index=local["local_token_index"]).logits
-        loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), local["local_target_ids"].flatten(), reduction="sum")
+        local = prepare_seq_parallel_inputs(
+            mode, input_ids, PACKED_ROWS, target_ids, rank, world_size, "cpu", attention_mask=PADDING
+        )
+        logits = model(
+            input_ids=local["local_input_ids"],
+            position_ids=local["local_position_ids"],
+            attention_mask=local["local_attention_mask"],
+            seq_parallel_index=local["local_token_index"],
+        ).logits
+        loss_sum = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), local["local_target_ids"].flatten(), reduction="sum"
+        )
         stats = torch.stack([loss_sum.detach(), (local["local_target_ids"] != -100).sum().float()])
         dist.all_reduce(stats, group=group)
         (loss_sum / stats[1]).backward()
@@ -220,9 +252,18 @@ def _split_worker(rank, world_size, mode, options):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,world_size,options", [("zigzag_ring_attn", 2, {}), ("zigzag_ring_attn", 4, {}),
-                                                      ("usp_attn", 4, {"ring_degree": 2}), ("dist_flash_attn", 2, {}),
-                                                      ("dist_flash_attn", 3, {}), ("dist_flash_attn", 4, {})], ids=str)
+@pytest.mark.parametrize(
+    "mode,world_size,options",
+    [
+        ("zigzag_ring_attn", 2, {}),
+        ("zigzag_ring_attn", 4, {}),
+        ("usp_attn", 4, {"ring_degree": 2}),
+        ("dist_flash_attn", 2, {}),
+        ("dist_flash_attn", 3, {}),
+        ("dist_flash_attn", 4, {}),
+    ],
+    ids=str,
+)
 def test_document_split_layout_matches_single_process(mode, world_size, options):
     """document_split: every packed document is cut over all ring ranks (a layout per row);
     logits (put back in order with local_token_index), loss and every gradient equal the
@@ -238,6 +279,9 @@ def test_document_split_layout_matches_single_process(mode, world_size, options)
         logits, loss, grads = results[name]
         logits = logits.masked_fill(PADDING[..., None] == 0, 0.0)
         logits_err, loss_err, grad_err = errors((logits, loss, grads), want)
-        print(f"{mode} P={world_size} document_split {name}: logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}")
+        print(
+            f"{mode} P={world_size} document_split {name}: "
+            f"logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}"
+        )
         # measured: logits 2.4e-7, loss 9.5e-7, grads 9e-7
         assert logits_err <= 3e-6 and loss_err <= 1e-5 and grad_err <= 1e-5, (name, logits_err, loss_err, grad_err)

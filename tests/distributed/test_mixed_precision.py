@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from ranks import run_ranks
+from tiny_models import tiny_batch, tiny_model
+
 from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, remove_seq_parallel_monkey_patch
 from easy_context.hf import active_patch
-from tiny_models import tiny_batch, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, STEPS, LR = 128, 3, 3e-3
@@ -60,7 +60,9 @@ def train(model, data, autocast: bool, group=None):
     for input_ids, position_ids, target_ids in data:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target_ids.flatten(), ignore_index=-100, reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), target_ids.flatten(), ignore_index=-100, reduction="sum"
+        )
         stats = torch.stack([loss_sum.detach(), (target_ids != -100).sum().to(loss_sum.dtype)])
         if group is not None:
             dist.all_reduce(stats, group=group)
@@ -119,19 +121,44 @@ def test_bf16_autocast_training_matches_single_process(mode, world_size, options
         assert their_dtypes == {torch.bfloat16}  # the model's own attention runs in bf16 under autocast
         for rank, results in enumerate(per_rank):
             ours, our_dtypes = results[model_type]
-            print(f"{mode} P={world_size} {options} {model_type} rank {rank}: ours {ours} hf autocast {theirs} fp32 {truth}")
+            print(
+                f"{mode} P={world_size} {options} {model_type} rank {rank}: "
+                f"ours {ours} hf autocast {theirs} fp32 {truth}"
+            )
             assert our_dtypes == {torch.bfloat16}, (model_type, rank, our_dtypes)
             assert ours == per_rank[0][model_type][0]  # every rank of the group reports the same loss
             for step, (mine, baseline, want) in enumerate(zip(ours, theirs, truth)):
                 assert math.isfinite(mine) and abs(mine - want) <= 2 * abs(baseline - want) + 1 / 256, (
-                    model_type, step, ours, theirs, truth)
+                    model_type,
+                    step,
+                    ours,
+                    theirs,
+                    truth,
+                )
 
 
 def train_py(tmp_path, mode):
     out = tmp_path / mode
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-               "--parallel_mode", mode, "--max-train-steps", "2", "--seq-length", "256", "--max-rows", "16",
-               "--log-with", "none", "--output-dir", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        "--parallel_mode",
+        mode,
+        "--max-train-steps",
+        "2",
+        "--seq-length",
+        "256",
+        "--max-rows",
+        "16",
+        "--log-with",
+        "none",
+        "--output-dir",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_MIXED_PRECISION": "bf16"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -4,10 +4,10 @@ sequence: logits, loss and every parameter gradient."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-
 from exactness import errors, step
 from ranks import run_ranks
+from tiny_models import MODEL_TYPES, tiny_batch, tiny_model
+
 from easy_context import (
     apply_seq_parallel_monkey_patch,
     gather_seq_parallel_outputs,
@@ -15,11 +15,12 @@ from easy_context import (
     remove_seq_parallel_monkey_patch,
 )
 from easy_context.hf import active_patch
-from tiny_models import MODEL_TYPES, tiny_batch, tiny_model
 
 SEQ = 128
 # (model type, batch, dtype, attn_implementation the model was created with)
-FP32_CASES = [(m, b, torch.float32, "sdpa") for m in MODEL_TYPES for b in (1, 2)] + [("llama", 2, torch.float32, "eager")]
+FP32_CASES = [(m, b, torch.float32, "sdpa") for m in MODEL_TYPES for b in (1, 2)] + [
+    ("llama", 2, torch.float32, "eager")
+]
 BF16_CASES = [(m, 1, torch.bfloat16, "sdpa") for m in MODEL_TYPES]
 # (mode, world size, options). The tiny models have 4 query heads and 2 KV heads, so
 # Ulysses at 4 ranks replicates KV heads; sp_size=2 at 4 ranks runs two sequences side by side.
@@ -57,7 +58,9 @@ def model_worker(rank, world_size, mode, options, cases):
         model = tiny_model(model_type, dtype, attn_implementation=impl)
         input_ids, target_ids = tiny_batch(batch, seq, seed=data_seed(dp_rank))
         local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
-        logits, loss = step(model, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], sp_group)
+        logits, loss = step(
+            model, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], sp_group
+        )
         grads = {}
         for name, p in model.named_parameters():
             grads[name] = p.grad.float().contiguous()
@@ -89,7 +92,10 @@ def test_patched_models_match_single_process_fp32(mode, world_size, options):
         for case in FP32_CASES:
             want = reference(case, dp_rank, seq=options.get("seq", SEQ))
             logits_err, loss_err, grad_err = errors(rank_result["results"][case], want)
-            print(f"{mode} P={world_size} {options} dp{dp_rank} {case}: logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}")
+            print(
+                f"{mode} P={world_size} {options} dp{dp_rank} {case}: "
+                f"logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}"
+            )
             # measured: logits 2.4e-7, loss 9.5e-7, grads 1.1e-6
             assert logits_err <= 3e-6 and loss_err <= 1e-5 and grad_err <= 1e-4, (case, dp_rank)
     assert len(seen_dp_ranks) == world_size // options.get("sp_size", world_size)

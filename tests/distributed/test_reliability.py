@@ -13,17 +13,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from ranks import run_ranks
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--parallel_mode", "zigzag_ring_attn"]
 
 
 def torchrun(out, *flags, fault=None, timeout=240):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "train.py"), "--output-dir", str(out), *SMALL, *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        "--output-dir",
+        str(out),
+        *SMALL,
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("EASY_CONTEXT_FAULT", None)
     if fault:
@@ -44,8 +53,15 @@ def test_a_stuck_rank_stops_every_rank_within_the_timeout(tmp_path):
     timeout = 15
     started = time.monotonic()
     # rank 1 sleeps well past the limit before its step-3 forward; rank 0 waits for it there
-    result = torchrun(tmp_path / "run", "--max-train-steps", "4", "--dist-timeout", str(timeout),
-                      fault=f"hang@3:1:{timeout + 120}", timeout=timeout + 200)
+    result = torchrun(
+        tmp_path / "run",
+        "--max-train-steps",
+        "4",
+        "--dist-timeout",
+        str(timeout),
+        fault=f"hang@3:1:{timeout + 120}",
+        timeout=timeout + 200,
+    )
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     assert elapsed < timeout + 60, elapsed
@@ -83,14 +99,25 @@ def test_a_nonfinite_loss_stops_after_a_checkpoint_and_can_be_skipped(tmp_path):
     # Rank 1's loss is NaN in the first of step 3's two micro-batches: the second must do no work.
     result = torchrun(out, *flags, fault="nonfinite_loss@3:1:0")
     assert result.returncode != 0  # torchrun's own code; each rank's is in its failure summary
-    assert ("train.py: error: step 3: non-finite loss on rank(s) [1] (their loss sums: [nan]; mean over all ranks nan); "
-            "stopped before the optimizer step") in result.stderr, result.stderr[-3000:]
+    assert (
+        "train.py: error: step 3: non-finite loss on rank(s) [1] (their loss sums: [nan]; mean over all ranks nan); "
+        "stopped before the optimizer step"
+    ) in result.stderr, result.stderr[-3000:]
     assert "resume it with --skip-nonfinite-steps 1" in result.stderr and "exitcode  : 3" in result.stderr
     assert (out / "checkpoint-2" / "trainer_state.json").exists()  # the last good step is kept
 
     # The same bad batch again, now allowed to skip one step, saving a checkpoint after each.
-    result = torchrun(out, *flags, "--resume-from-checkpoint", "latest", "--skip-nonfinite-steps", "1",
-                      "--checkpointing-steps", "1", fault="nonfinite_loss@3:1:0")
+    result = torchrun(
+        out,
+        *flags,
+        "--resume-from-checkpoint",
+        "latest",
+        "--skip-nonfinite-steps",
+        "1",
+        "--checkpointing-steps",
+        "1",
+        fault="nonfinite_loss@3:1:0",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     entries = log(out)
     assert [e["step"] for e in entries] == [1, 2, 3, 4] and entries[2]["skipped"] and entries[2]["loss"] is None

@@ -10,18 +10,24 @@ import os
 
 import pytest
 import torch
-
 from ranks import run_ranks
+from tiny_models import tiny_batch, tiny_model
+
 from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, remove_seq_parallel_monkey_patch
 from easy_context.hf import replicas
-from tiny_models import tiny_batch, tiny_model
 
 SEQ = 64
 
 
 def _launched_by_torchrun(rank, world):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # the group exists already; never dialled
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )  # the group exists already; never dialled
 
 
 def _train_steps(rank, world, setup: str, steps: int = 3):

@@ -14,17 +14,17 @@ import tempfile
 
 import pytest
 import torch
-
-import easy_context as ec
 from ranks import run_ranks
 from trainer_runs import misuse, tiny_llama, train, train_and_resume
+
+import easy_context as ec
 
 STEPS = 3
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-6
 BASE = dict(batch=2, accumulate=2, steps=STEPS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(collator: str, batch: int, sft: bool = False, bf16: bool = False) -> dict:
     """The unpatched Trainer in one process. batch 4 stands for two data-parallel groups of
     batch 2 (in training and, token-weighted as the Trainer weighs them, in evaluation)."""
@@ -76,10 +76,19 @@ def test_trainer_matches_single_process(mode, options, collator):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode,collator,options,reference_batch", [
-    ("zigzag_ring_attn", "padded", {"sp_size": 2}, 4),  # 2 data-parallel groups of 2: the reference reads both batches
-    ("usp_attn", "packed", {"sp_size": 4, "ring_degree": 2}, 2),  # Ulysses x ring over 4 ranks
-], ids=["dp2-sp2-zigzag", "sp4-usp"])
+@pytest.mark.parametrize(
+    "mode,collator,options,reference_batch",
+    [
+        (
+            "zigzag_ring_attn",
+            "padded",
+            {"sp_size": 2},
+            4,
+        ),  # 2 data-parallel groups of 2: the reference reads both batches
+        ("usp_attn", "packed", {"sp_size": 4, "ring_degree": 2}, 2),  # Ulysses x ring over 4 ranks
+    ],
+    ids=["dp2-sp2-zigzag", "sp4-usp"],
+)
 def test_trainer_world_4(mode, collator, options, reference_batch):
     _assert_exact(_run(4, mode, collator, timeout=360, options=options), _reference(collator, batch=reference_batch))
 
@@ -174,7 +183,9 @@ def test_streaming_data_with_several_dp_groups_is_refused():
 
     trainer = SimpleNamespace(accelerator=SimpleNamespace(prepare_data_loader=None, process_index=0))
     _read_by_sp_group(trainer, Topology(world_size=4, sp_size=2, ring_degree=1))
-    with pytest.raises(ValueError, match=r"IterableDataset \(streaming\) with several data-parallel groups \(dp_size=2\)"):
+    with pytest.raises(
+        ValueError, match=r"IterableDataset \(streaming\) with several data-parallel groups \(dp_size=2\)"
+    ):
         trainer.accelerator.prepare_data_loader(DataLoader(Stream()))
 
 

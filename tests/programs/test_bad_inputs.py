@@ -35,14 +35,26 @@ FLAG_CASES = [  # (script, flags, message): refused by parse_args before anythin
     ("train.py", ["--gradient-accumulate-every", "0"], "--gradient-accumulate-every must be >= 1, got 0"),
     ("train.py", ["--loss-chunk-size", "0"], "--loss-chunk-size must be >= 1, got 0"),
     ("train.py", ["--balance-documents"], "--balance-documents needs --document-masking"),
-    ("train.py", ["--warmup-steps", "100", "--max-train-steps", "60"], "--warmup-steps must be between 0 and --max-train-steps (60), got 100"),
+    (
+        "train.py",
+        ["--warmup-steps", "100", "--max-train-steps", "60"],
+        "--warmup-steps must be between 0 and --max-train-steps (60), got 100",
+    ),
     ("train.py", ["--checkpointing-steps", "-1"], "--checkpointing-steps must be >= 0, got -1"),
     ("train.py", ["--save-total-limit", "0"], "--save-total-limit must be >= 1, got 0"),
     ("train.py", ["--skip-nonfinite-steps", "-1"], "--skip-nonfinite-steps must be >= 0, got -1"),
     ("train.py", ["--tiled-mlp", "-1"], "--tiled-mlp must be >= 0, got -1"),
     ("train.py", ["--max-rows", "0"], "--max-rows must be >= 1, got 0"),
-    ("train.py", ["--dist-timeout", "0"], "argument --dist-timeout: must be a number of seconds in (0, 1e+06], got '0'"),
-    ("train.py", ["--dist-timeout", "inf"], "argument --dist-timeout: must be a number of seconds in (0, 1e+06], got 'inf'"),
+    (
+        "train.py",
+        ["--dist-timeout", "0"],
+        "argument --dist-timeout: must be a number of seconds in (0, 1e+06], got '0'",
+    ),
+    (
+        "train.py",
+        ["--dist-timeout", "inf"],
+        "argument --dist-timeout: must be a number of seconds in (0, 1e+06], got 'inf'",
+    ),
     ("train.py", ["--parallel_mode", "ring"], "argument --parallel_mode/--parallel-mode: invalid choice: 'ring'"),
     ("eval_needle.py", ["--context_interval", "0"], "--context_interval must be >= 1, got 0"),
     ("eval_needle.py", ["--depth_interval", "1.5"], "--depth_interval must be in (0, 1], got 1.5"),
@@ -69,8 +81,14 @@ def test_flags_are_refused_with_one_line(script, flags, message, capsys):
 
 def run(script, *flags, env=None):
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    result = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT, env=environment)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / script), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=environment,
+    )
     return result.returncode, result.stderr
 
 
@@ -91,7 +109,10 @@ def test_train_refuses_bad_runs_with_one_line(tmp_path):
         ([*small, "--dataset", str(malformed)], "cannot be read as json: JSON parse error"),
         ([*small, "--dataset", str(csv_file)], "use .json, .jsonl, .parquet or .txt"),
         ([*small, "--model", str(tmp_path / "no-such-model")], f"--model {tmp_path / 'no-such-model'}:"),
-        ([*small, "--output-dir", str(no_checkpoint), "--resume-from-checkpoint", "latest"], "latest: no checkpoint in"),
+        (
+            [*small, "--output-dir", str(no_checkpoint), "--resume-from-checkpoint", "latest"],
+            "latest: no checkpoint in",
+        ),
         ([*small, "--resume-from-checkpoint", str(foreign)], "not a train.py checkpoint"),
         ([*small, "--sp-size", "2"], "sp_size=2 does not divide the world size 1; choose one of [1]"),
         ([*small, "--batch-size", "4", "--max-rows", "2"], "2 rows of 257 tokens are fewer than one step needs (4)"),
@@ -103,8 +124,12 @@ def test_train_refuses_bad_runs_with_one_line(tmp_path):
     # A checkpoint whose flags differ from this run's: refused before anything is loaded from it.
     code, stderr = run("train.py", *small, "--max-rows", "4", "--max-train-steps", "2", "--checkpointing-steps", "1")
     assert code == 0, stderr[-2000:]
-    code, stderr = run("train.py", *small, "--max-rows", "4", "--max-train-steps", "3", "--resume-from-checkpoint", "latest")
-    assert code == 2 and "these flags differ from the checkpoint (checkpoint, now): {'max_train_steps': (2, 3)}" in stderr, stderr[-2000:]
+    code, stderr = run(
+        "train.py", *small, "--max-rows", "4", "--max-train-steps", "3", "--resume-from-checkpoint", "latest"
+    )
+    assert (
+        code == 2 and "these flags differ from the checkpoint (checkpoint, now): {'max_train_steps': (2, 3)}" in stderr
+    ), stderr[-2000:]
 
     # A refusal raised mid-run by the library: one line with the step and phase, not a traceback.
     code, stderr = run("train.py", *small, "--max-rows", "2", env={"EASY_CONTEXT_KERNEL": "flash_attn"})
@@ -116,15 +141,31 @@ def test_train_refuses_bad_runs_with_one_line(tmp_path):
 def test_eval_scripts_refuse_impossible_layouts():
     for script in ("eval_ppl.py", "eval_needle.py"):
         code, stderr = run(script, "--model", str(ROOT / "configs" / "tiny-llama"), "--sp-size", "3")
-        assert code == 2 and "sp_size=3 does not divide the world size 1" in stderr and "Traceback" not in stderr, stderr
+        assert code == 2 and "sp_size=3 does not divide the world size 1" in stderr and "Traceback" not in stderr, (
+            stderr
+        )
 
 
 @pytest.mark.timeout(120)
 def test_a_bad_replica_check_setting_is_refused_at_the_first_forward(tmp_path):
-    code, stderr = run("train.py", "--output-dir", str(tmp_path), "--log-with", "none", "--seq-length", "256", "--max-rows", "2", "--max-train-steps", "1",
-                       env={"EASY_CONTEXT_REPLICA_CHECK_EVERY": "often"})
+    code, stderr = run(
+        "train.py",
+        "--output-dir",
+        str(tmp_path),
+        "--log-with",
+        "none",
+        "--seq-length",
+        "256",
+        "--max-rows",
+        "2",
+        "--max-train-steps",
+        "1",
+        env={"EASY_CONTEXT_REPLICA_CHECK_EVERY": "often"},
+    )
     assert code == 2 and "Traceback" not in stderr
-    assert "train.py: error: step 1 (forward): EASY_CONTEXT_REPLICA_CHECK_EVERY='often': use a whole number >= 0" in stderr
+    assert (
+        "train.py: error: step 1 (forward): EASY_CONTEXT_REPLICA_CHECK_EVERY='often': use a whole number >= 0" in stderr
+    )
 
 
 def test_api_refuses_malformed_inputs():
@@ -140,8 +181,9 @@ def test_api_refuses_malformed_inputs():
 
 
 def test_tiled_mlp_refuses_a_tile_size_of_zero():
-    from easy_context.programs.tiled_mlp import tile_mlps
     from tiny_models import tiny_model
+
+    from easy_context.programs.tiled_mlp import tile_mlps
 
     with pytest.raises(ValueError, match="tile size must be positive, got 0"):
         tile_mlps(tiny_model("llama"), 0)
@@ -150,15 +192,15 @@ def test_tiled_mlp_refuses_a_tile_size_of_zero():
 def test_script_helpers_refuse_bad_values(tmp_path):
     """The library pieces behind the scripts: models, data, needle prompts, plots, masks."""
     import datasets
+    from tiny_models import tiny_config
     from transformers import GPT2Config
 
-    from easy_context.programs.data import byte_tokenizer, load_any_dataset
+    from easy_context.core.groups import Topology
     from easy_context.core.masking import SequenceMask
+    from easy_context.programs.data import byte_tokenizer, load_any_dataset
     from easy_context.programs.models import check_config, load_config
     from easy_context.programs.needle import PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
     from easy_context.programs.plots import read_perplexity_csv
-    from easy_context.core.groups import Topology
-    from tiny_models import tiny_config
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported: "):
@@ -166,10 +208,16 @@ def test_script_helpers_refuse_bad_values(tmp_path):
     with pytest.raises(ValueError, match="the model has attention_dropout=0.1; sequence parallelism needs 0.0"):
         check_config(tiny_config("llama", attention_dropout=0.1), Topology(2, 2, 2), 64, "zigzag_ring_attn")
     with pytest.raises(ValueError, match="num_attention_heads=3 does not split over the Ulysses degree 2"):
-        check_config(tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48), Topology(2, 2, 1),
-                     64, "ulysses_attn")
+        check_config(
+            tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48),
+            Topology(2, 2, 1),
+            64,
+            "ulysses_attn",
+        )
 
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})}).save_to_disk(tmp_path / "splits")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})}).save_to_disk(
+        tmp_path / "splits"
+    )
     with pytest.raises(ValueError, match=r"has splits \['train'\], not 'test'"):
         load_any_dataset(str(tmp_path / "splits"), split="test")
 

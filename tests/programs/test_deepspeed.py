@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from ranks import require_deepspeed
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "accelerate_configs" / "cpu_zero3_offload.yaml"
@@ -27,8 +26,18 @@ def deepspeed_installed():
 
 
 def launch(out, *flags, fault=None, timeout=300):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), str(ROOT / "train.py"),
-               "--output-dir", str(out), *SMALL, *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIG),
+        str(ROOT / "train.py"),
+        "--output-dir",
+        str(out),
+        *SMALL,
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("EASY_CONTEXT_FAULT", None)
     if fault:
@@ -95,6 +104,8 @@ def test_zero3_offload_stops_on_a_nonfinite_loss_before_any_update_and_refuses_s
     stopped, reference = zero_shards(out / "checkpoint-2"), zero_shards(straight / "checkpoint-2")
     assert len(stopped) == len(reference) == 2 and all(torch.equal(a, b) for a, b in zip(stopped, reference))
 
-    result = launch(out, "--max-train-steps", "4", *ACCUMULATE, "--resume-from-checkpoint", "latest", "--skip-nonfinite-steps", "1")
+    result = launch(
+        out, "--max-train-steps", "4", *ACCUMULATE, "--resume-from-checkpoint", "latest", "--skip-nonfinite-steps", "1"
+    )
     assert "train.py: error: --skip-nonfinite-steps is not supported under DeepSpeed" in result.stderr
     assert "exitcode  : 2" in result.stderr and "Traceback" not in result.stderr.split("train.py: error")[0]

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ranks import require_deepspeed, run_ranks
+from tiny_models import VOCAB, tiny_model
+
 from easy_context.programs.data import BYTE_EOS_ID, byte_tokenizer, embedded_prose
 from easy_context.programs.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
-from tiny_models import VOCAB, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,8 +77,7 @@ def run_script(script, *flags, processes=1, cwd=ROOT):
         command = [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     target = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]  # a module: from ROOT
-    result = subprocess.run([*command, *target, *flags], capture_output=True, text=True, timeout=240,
-                            env=env, cwd=cwd)
+    result = subprocess.run([*command, *target, *flags], capture_output=True, text=True, timeout=240, env=env, cwd=cwd)
     return result
 
 
@@ -87,14 +86,31 @@ def ok(result):
     return result
 
 
+def read_csv(path, reader=csv.DictReader) -> list:
+    """Every row of a CSV file a script wrote (csv.DictReader: dicts; csv.reader: lists)."""
+    with open(path) as f:
+        return list(reader(f))
+
+
 @pytest.mark.timeout(600)
 def test_eval_ppl_parallel_equals_single_process(tmp_path, saved_model):
-    flags = ["--model", str(saved_model), "--min-tokens", "99", "--max-tokens", "396", "--sliding-window", "64",
-             "--samples", "2", "--hide-progress"]
+    flags = [
+        "--model",
+        str(saved_model),
+        "--min-tokens",
+        "99",
+        "--max-tokens",
+        "396",
+        "--sliding-window",
+        "64",
+        "--samples",
+        "2",
+        "--hide-progress",
+    ]
     single, parallel = tmp_path / "single.csv", tmp_path / "parallel.csv"
     ok(run_script("eval_ppl.py", *flags, "--parallel_mode", "data_parallel", "--output-file", str(single)))
     out = ok(run_script("eval_ppl.py", *flags, "--output-file", str(parallel), processes=2)).stdout
-    rows = {name: list(csv.reader(open(path))) for name, path in (("single", single), ("parallel", parallel))}
+    rows = {name: read_csv(path, csv.reader) for name, path in (("single", single), ("parallel", parallel))}
     assert rows["single"][0] == rows["parallel"][0] == ["model", "99", "198", "396"]  # 99, 198: padded for zigzag x2
     got, want = [float(x) for x in rows["parallel"][1][1:]], [float(x) for x in rows["single"][1][1:]]
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, want)), (got, want)
@@ -110,24 +126,66 @@ def test_eval_ppl_parallel_equals_single_process(tmp_path, saved_model):
     counts = json.loads(truncated.with_suffix(".json").read_text())["perplexity"][str(saved_model)]
     assert [counts[n]["tokens"] for n in ("99", "198", "396")] == [2 * 98, 2 * 197, 2 * 395]
 
-    plot = ok(subprocess.run([sys.executable, "-m", "tools.plot_ppl", str(single), str(truncated),
-                              "--output", str(tmp_path / "both.png")], capture_output=True, text=True, timeout=120, cwd=ROOT))
+    plot = ok(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tools.plot_ppl",
+                str(single),
+                str(truncated),
+                "--output",
+                str(tmp_path / "both.png"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+    )
     assert (tmp_path / "both.png").stat().st_size > 1000 and (tmp_path / "both.pdf").exists(), plot.stdout
 
 
 @pytest.mark.timeout(600)
 def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path, saved_model):
-    flags = ["--model", str(saved_model), "--min_context_length", "300", "--max_context_length", "900",
-             "--context_interval", "300", "--depth_interval", "0.5", "--num_samples", "2", "--num_distractor", "2",
-             "--hide_progress", "--generate", "--max_new_tokens", "6"]
-    ok(run_script("eval_needle.py", *flags, "--parallel_mode", "data_parallel", "--output_dir", str(tmp_path / "single")))
+    flags = [
+        "--model",
+        str(saved_model),
+        "--min_context_length",
+        "300",
+        "--max_context_length",
+        "900",
+        "--context_interval",
+        "300",
+        "--depth_interval",
+        "0.5",
+        "--num_samples",
+        "2",
+        "--num_distractor",
+        "2",
+        "--hide_progress",
+        "--generate",
+        "--max_new_tokens",
+        "6",
+    ]
+    ok(
+        run_script(
+            "eval_needle.py", *flags, "--parallel_mode", "data_parallel", "--output_dir", str(tmp_path / "single")
+        )
+    )
     out = ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "parallel"), processes=2)).stdout
-    single = list(csv.DictReader(open(tmp_path / "single" / f"needle_{saved_model.name}.csv")))
-    parallel = list(csv.DictReader(open(tmp_path / "parallel" / f"needle_{saved_model.name}.csv")))
+    single = read_csv(tmp_path / "single" / f"needle_{saved_model.name}.csv")
+    parallel = read_csv(tmp_path / "parallel" / f"needle_{saved_model.name}.csv")
     assert [(r["context_length"], r["depth"], r["sample"]) for r in parallel] == [
-        (str(n), str(d), str(s)) for n in (300, 600, 900) for d in (0.0, 0.5, 1.0) for s in (0, 1)]
+        (str(n), str(d), str(s)) for n in (300, 600, 900) for d in (0.0, 0.5, 1.0) for s in (0, 1)
+    ]
     for a, b in zip(parallel, single):
-        assert (a["predicted"], a["correct"], a["tokens"], a["value"]) == (b["predicted"], b["correct"], b["tokens"], b["value"])
+        assert (a["predicted"], a["correct"], a["tokens"], a["value"]) == (
+            b["predicted"],
+            b["correct"],
+            b["tokens"],
+            b["value"],
+        )
         # --generate: the free-form answer, generated with the cache sharded over 2 ranks, is one process's
         assert (a["generated"], a["generated_correct"]) == (b["generated"], b["generated_correct"])
         assert abs(float(a["answer_nll"]) - float(b["answer_nll"])) <= 1e-5
@@ -138,10 +196,27 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
     assert (tmp_path / "parallel" / f"needle_{saved_model.name}.png").stat().st_size > 1000
     assert "overall accuracy" in out
 
-    ok(run_script("eval_needle.py", "--model", str(saved_model), "--task", "passkey", "--min_context_length", "200",
-                  "--max_context_length", "200", "--depth_interval", "1", "--num_samples", "1",
-                  "--output_dir", str(tmp_path / "passkey"), "--hide_progress"))
-    rows = list(csv.DictReader(open(tmp_path / "passkey" / f"passkey_{saved_model.name}.csv")))
+    ok(
+        run_script(
+            "eval_needle.py",
+            "--model",
+            str(saved_model),
+            "--task",
+            "passkey",
+            "--min_context_length",
+            "200",
+            "--max_context_length",
+            "200",
+            "--depth_interval",
+            "1",
+            "--num_samples",
+            "1",
+            "--output_dir",
+            str(tmp_path / "passkey"),
+            "--hide_progress",
+        )
+    )
+    rows = read_csv(tmp_path / "passkey" / f"passkey_{saved_model.name}.csv")
     assert [r["depth"] for r in rows] == ["0.0", "1.0"]
 
 
@@ -150,18 +225,49 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
     """The GPU recipe's path (accelerate + DeepSpeed ZeRO-3 inference) on CPU: every rank must
     make the same module calls, or ZeRO-3's parameter gathers mismatch and hang."""
     require_deepspeed()
-    flags = ["--model", str(saved_model), "--min_context_length", "300", "--max_context_length", "600",
-             "--context_interval", "300", "--depth_interval", "0.5", "--num_samples", "1", "--hide_progress",
-             "--generate", "--max_new_tokens", "5"]
+    flags = [
+        "--model",
+        str(saved_model),
+        "--min_context_length",
+        "300",
+        "--max_context_length",
+        "600",
+        "--context_interval",
+        "300",
+        "--depth_interval",
+        "0.5",
+        "--num_samples",
+        "1",
+        "--hide_progress",
+        "--generate",
+        "--max_new_tokens",
+        "5",
+    ]
     ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "torchrun"), processes=2))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    ok(subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(ROOT / "accelerate_configs" / "cpu_deepspeed_inference.yaml"), str(ROOT / "eval_needle.py"),
-                       *flags, "--output_dir", str(tmp_path / "deepspeed")], capture_output=True, text=True, timeout=400,
-                      env=env, cwd=ROOT))
+    ok(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                str(ROOT / "accelerate_configs" / "cpu_deepspeed_inference.yaml"),
+                str(ROOT / "eval_needle.py"),
+                *flags,
+                "--output_dir",
+                str(tmp_path / "deepspeed"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env=env,
+            cwd=ROOT,
+        )
+    )
     name = f"needle_{saved_model.name}.csv"
-    a = list(csv.DictReader(open(tmp_path / "torchrun" / name)))
-    b = list(csv.DictReader(open(tmp_path / "deepspeed" / name)))
+    a = read_csv(tmp_path / "torchrun" / name)
+    b = read_csv(tmp_path / "deepspeed" / name)
     assert len(a) == len(b) == 6
     for x, y in zip(a, b):
         assert x["predicted"] == y["predicted"] and abs(float(x["answer_nll"]) - float(y["answer_nll"])) <= 1e-5
@@ -172,15 +278,27 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
 def test_eval_scripts_refuse_bad_input_clearly(tmp_path):
     cases = [
         ("eval_needle.py", [], "no model at outputs/tiny-llama"),
-        ("eval_needle.py", ["--task", "passkey", "--num_distractor", "2"], "--num_distractor applies to the needle task only"),
-        ("eval_needle.py", ["--min_context_length", "900", "--max_context_length", "100"], "--min_context_length <= --max_context_length"),
+        (
+            "eval_needle.py",
+            ["--task", "passkey", "--num_distractor", "2"],
+            "--num_distractor applies to the needle task only",
+        ),
+        (
+            "eval_needle.py",
+            ["--min_context_length", "900", "--max_context_length", "100"],
+            "--min_context_length <= --max_context_length",
+        ),
         ("eval_needle.py", ["--haystack_dir", str(tmp_path)], "no .txt files there"),
         ("eval_ppl.py", [], "no model at outputs/tiny-llama"),
         ("eval_ppl.py", ["--dataset", "a", "--tokenized", "b"], "not both"),
     ]
     for script, flags, message in cases:
         result = run_script(script, *flags, cwd=tmp_path)  # no outputs/ here
-        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, (script, flags, result.stderr[-2000:])
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, (
+            script,
+            flags,
+            result.stderr[-2000:],
+        )
 
 
 # ------------------------------------------------------------------ needle placement
@@ -192,13 +310,20 @@ def local_bpe(kind: str):
 
     tokenizer = Tokenizer(models.BPE(unk_token=None if kind == "bytelevel" else "<unk>"))
     if kind == "bytelevel":
-        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.pre_tokenizer, tokenizer.decoder = (
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+            decoders.ByteLevel(),
+        )
+        trainer = trainers.BpeTrainer(
+            vocab_size=600, special_tokens=["<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
     else:
         tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
         trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "<unk>"])
     tokenizer.train_from_iterator([embedded_prose()[:100_000]], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", unk_token=None if kind == "bytelevel" else "<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", unk_token=None if kind == "bytelevel" else "<unk>"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -218,14 +343,20 @@ def test_needle_lands_at_the_requested_depth_within_one_sentence(kind):
                 assert len(prompt.input_ids) <= length and len(prompt.input_ids) >= length - 2
                 # the needle starts inside the token at needle_position (a token may also hold
                 # the end of the sentence before it, e.g. ".\n\nThe" with Metaspace)
-                text = tokenizer.decode(prompt.input_ids[prompt.needle_position:prompt.answer_start])
-                first = tokenizer.decode(prompt.input_ids[prompt.needle_position:prompt.needle_position + 1])
+                text = tokenizer.decode(prompt.input_ids[prompt.needle_position : prompt.answer_start])
+                first = tokenizer.decode(prompt.input_ids[prompt.needle_position : prompt.needle_position + 1])
                 assert 0 <= text.find(needle) < len(first), (kind, depth, text[:80])
-                assert tokenizer.decode(prompt.input_ids[:prompt.answer_start]).count("4817263") == 1
-                assert tokenizer.decode(prompt.input_ids[prompt.answer_start:]).strip() == "4817263"
+                assert tokenizer.decode(prompt.input_ids[: prompt.answer_start]).count("4817263") == 1
+                assert tokenizer.decode(prompt.input_ids[prompt.answer_start :]).strip() == "4817263"
                 # within one sentence of the requested token (plus a token of join effects)
                 error = abs(prompt.needle_position - prompt.requested_position)
-                assert error <= haystack.sentence_length_at(prompt.haystack_position) + 2, (kind, length, depth, distractors, error)
+                assert error <= haystack.sentence_length_at(prompt.haystack_position) + 2, (
+                    kind,
+                    length,
+                    depth,
+                    distractors,
+                    error,
+                )
                 assert len(prompt.distractors) == distractors
                 checked += 1
     assert checked == 44
@@ -236,7 +367,9 @@ def test_passkey_prompt_and_too_short_contexts():
     haystack = Haystack(tokenizer, PASSKEY_FILLER, min_tokens=1000)
     prompt = build_prompt(tokenizer, haystack, PASSKEY, 1000, 0.5, key="", value="68231")
     text = tokenizer.decode(prompt.input_ids)
-    assert text.endswith("What is the pass key? The pass key is 68231") and "The pass key is 68231. Remember it." in text
+    assert (
+        text.endswith("What is the pass key? The pass key is 68231") and "The pass key is 68231. Remember it." in text
+    )
     assert len(prompt.input_ids) == 1000 and abs(prompt.actual_depth - 0.5) < 0.05
     with pytest.raises(ValueError, match="leaves no room for the haystack"):
         build_prompt(tokenizer, haystack, PASSKEY, 60, 0.5, key="", value="68231")

@@ -52,9 +52,31 @@ def test_check_kernels_fails_a_wrong_backend(monkeypatch):
 @pytest.mark.timeout(120)
 def test_bench_kernels_rows(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_kernels", "--device", "cpu", "--seq-len", "256",
-                          "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--iters", "1", "--json", str(out)],
-                         capture_output=True, text=True, timeout=110, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_kernels",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "256",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "32",
+            "--iters",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     for name in ("sdpa", "kernel:cpu_flash", "kernel:math", "zigzag_ring_attn P=1", "dist_flash_attn P=1"):
@@ -68,8 +90,13 @@ def test_gpu_check_dry_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this interpreter's python
     env["PYTHON"] = sys.executable
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=880, env=env)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=880,
+        env=env,
+    )
     results = (tmp_path / "gpu_check.md").read_text()
     assert run.returncode == 0, run.stdout[-3000:] + results[-6000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.md"]
@@ -83,8 +110,9 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 def test_gpu_check_refuses_bad_arguments(tmp_path):
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--frobnicate"], capture_output=True, text=True,
-                         timeout=30)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--frobnicate"], capture_output=True, text=True, timeout=30
+    )
     assert run.returncode == 2 and "unknown argument '--frobnicate'" in run.stderr
 
 
@@ -94,8 +122,13 @@ def test_gpu_check_deadline_reports_what_did_not_run(tmp_path):
     summary is still written, and the run fails."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["PYTHON"] = sys.executable
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--deadline", "30", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=170, env=env)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--deadline", "30", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+    )
     summary = (tmp_path / "gpu_check.md").read_text().split("## Summary")[1]
     assert run.returncode == 1, run.stdout[-2000:]
     assert "| env | PASS |" in summary and "| train | FAIL (not run: the 30 s deadline was reached) |" in summary

@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "easy_context.programs.plan", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=100)
+    return subprocess.run(
+        [sys.executable, "-m", "easy_context.programs.plan", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=100,
+    )
 
 
 def table_rows(stdout: str) -> list[list[str]]:
@@ -60,7 +65,7 @@ def test_constraints_respected():
     model = dataclasses.replace(P.PRESETS["tiny-bench"], heads=6, kv_heads=2, head_dim=64, hidden=384)
     ok, refused = P.layouts(model, 8192, 4)
     assert ("ulysses_attn", 4, 1) not in ok and ("ulysses_attn", 2, 1) in ok
-    assert ("usp_attn", 4, 2) in ok                       # Ulysses 2 x ring 2
+    assert ("usp_attn", 4, 2) in ok  # Ulysses 2 x ring 2
     assert ("zigzag_ring_attn", 4, 4) in ok and ("dist_flash_attn", 4, 4) in ok
     assert any(m == "ulysses_attn" and s == 4 and "does not split" in why for m, s, r, why in refused)
     # lengths: zigzag over 4 ranks needs a multiple of 8, contiguous layouts of 4
@@ -92,7 +97,10 @@ def test_monotonic(name):
             for o in P.candidate_options(model, 65536, layout, P.ZERO_CHOICES, tile, chunk):
                 peak = P.estimate(model, 65536, gpus, o, device)["peak_bytes"]
                 for step in OPTION_STEPS:  # one more memory option never raises the peak
-                    assert P.estimate(model, 65536, gpus, step(o, tile, chunk), device)["peak_bytes"] <= peak + 1, (o, step)
+                    assert P.estimate(model, 65536, gpus, step(o, tile, chunk), device)["peak_bytes"] <= peak + 1, (
+                        o,
+                        step,
+                    )
                 z = ZERO_ORDER.index(o.zero)
                 if z + 1 < len(ZERO_ORDER):
                     more = dataclasses.replace(o, zero=ZERO_ORDER[z + 1])
@@ -104,7 +112,7 @@ def test_monotonic(name):
 def test_published_verdicts():
     from tools import validate_plan
 
-    for what, published, fit, margin_fit, peak in validate_plan.table_published():
+    for what, published, fit, _margin_fit, peak in validate_plan.table_published():
         if published is not None:
             assert fit == published, (what, peak)
 
@@ -124,13 +132,15 @@ def run_main(capsys, *args):
 
 @pytest.mark.timeout(120)
 def test_bad_input_messages(capsys):
-    out = cli("--model", "no-such-model-xyz", "--seq-length", "4096")   # through the real entry point once
+    out = cli("--model", "no-such-model-xyz", "--seq-length", "4096")  # through the real entry point once
     assert out.returncode == 2 and "unknown model 'no-such-model-xyz'" in out.stderr and "llama-3-8b" in out.stderr
     code, _, err = run_main(capsys, "--model", "llama-3-8b", "--seq-length", "4100", "--gpus", "8", "--sp-size", "8")
     assert code == 2 and "not divisible by" in err and "Sequence lengths must divide by" in err
     code, _, err = run_main(capsys, "--model", "llama-3-8b", "--seq-length", "4096", "--gpu", "tpu-v9")
     assert code == 2 and "unknown GPU 'tpu-v9'" in err and "h100-80g" in err
-    code, _, err = run_main(capsys, "--model", "llama-3-70b", "--seq-length", "4194304", "--gpus", "8", "--gpu", "a100-40g")
+    code, _, err = run_main(
+        capsys, "--model", "llama-3-70b", "--seq-length", "4194304", "--gpus", "8", "--gpu", "a100-40g"
+    )
     assert code == 3 and "nothing fits" in err and "GiB per GPU" in err and "x a100-40g" in err
     code, _, err = run_main(capsys, "--model", "llama-3-8b", "--seq-length", "0")
     assert code == 2 and "--seq-length must be positive" in err
@@ -146,4 +156,6 @@ def test_no_fit_names_what_would_fit():
     assert small["gpus"] and small["gpus"] > 2 and small["memory_gib"] > 80
     bigger = P.plan(model, 2_097_152, small["gpus"], P.get_device("h100-80g"))
     assert bigger["recommendation"] is not None
-    assert P.plan(model, 2_097_152, 2, P.get_device("h100-80g", small["memory_gib"] + 0.5))["recommendation"] is not None
+    assert (
+        P.plan(model, 2_097_152, 2, P.get_device("h100-80g", small["memory_gib"] + 0.5))["recommendation"] is not None
+    )

@@ -18,8 +18,14 @@ def table_rows(stdout: str) -> list[list[str]]:
 @pytest.mark.timeout(300)
 def test_bench_train_smoke(tmp_path):
     csv_path = tmp_path / "train.csv"
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_train", "--smoke", "--exact-memory",
-                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_train", "--smoke", "--exact-memory", "--csv", str(csv_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     steps, fits = out.split("longest context within")
     header, *rows = table_rows(steps)
     assert header[:2] == ["config", "S"] and len(rows) == 6
@@ -37,8 +43,13 @@ def test_bench_train_smoke(tmp_path):
 @pytest.mark.timeout(300)
 def test_bench_attention_smoke(tmp_path):
     csv_path = tmp_path / "attention.csv"
-    out = subprocess.run([*BENCH_ATTENTION, "--smoke", "--world-sizes", "1,2",
-                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, cwd=ROOT)
+    out = subprocess.run(
+        [*BENCH_ATTENTION, "--smoke", "--world-sizes", "1,2", "--csv", str(csv_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     header, *rows = table_rows(out.stdout)
     assert header[:4] == ["config", "S", "P", "time (s)"]
@@ -54,8 +65,13 @@ def test_bench_attention_masked_smoke(tmp_path):
     """--smoke-masks: every kind of mask through zigzag_ring_attn and dist_flash_attn at S=256, P=2,
     each checked against SDPA with the dense mask; then the summary against the causal rows."""
     csv_path = tmp_path / "masked.csv"
-    out = subprocess.run([*BENCH_ATTENTION, "--smoke-masks", "--csv", str(csv_path)],
-                         capture_output=True, text=True, timeout=140, cwd=ROOT)
+    out = subprocess.run(
+        [*BENCH_ATTENTION, "--smoke-masks", "--csv", str(csv_path)],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     main_table, summary = out.stdout.split("masked rows against the same mode's causal row")
     header, *rows = table_rows(main_table)
@@ -69,8 +85,17 @@ def test_bench_attention_masked_smoke(tmp_path):
     assert 0 < ratio["window-64"] < 1 and 0 < ratio["long-tail"] <= 1
 
     summary_header, *summary_rows = table_rows(summary)
-    assert summary_header == ["mode", "mask", "S", "P", "time s", "causal time s", "time ratio",
-                              "ideal ratio (allowed/causal)", "saving achieved / ideal saving"]
+    assert summary_header == [
+        "mode",
+        "mask",
+        "S",
+        "P",
+        "time s",
+        "causal time s",
+        "time ratio",
+        "ideal ratio (allowed/causal)",
+        "saving achieved / ideal saving",
+    ]
     assert sorted((r[0], r[1]) for r in summary_rows) == sorted((m, k) for m in modes for k in masks[1:])
     for row in summary_rows:
         assert row[2:4] == ["256", "2"] and float(row[5]) > 0 and float(row[6]) > 0  # a causal row was found
@@ -79,13 +104,20 @@ def test_bench_attention_masked_smoke(tmp_path):
     # the CSV keeps the old columns first; --from-csv reads it back, and reads CSVs without masks as causal
     lines = csv_path.read_text().splitlines()
     assert len(lines) == len(rows) + 1 and lines[0].endswith(",mask,allowed_ratio")
-    again = subprocess.run([*BENCH_ATTENTION, "--from-csv", str(csv_path)], capture_output=True, text=True,
-                           timeout=60, check=True, cwd=ROOT).stdout
+    again = subprocess.run(
+        [*BENCH_ATTENTION, "--from-csv", str(csv_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     assert "masked rows against the same mode's causal row" in again
     old_csv = tmp_path / "old.csv"
     old_csv.write_text("\n".join(line.rsplit(",", 2)[0] for line in lines[:3]) + "\n")
-    old = subprocess.run([*BENCH_ATTENTION, "--from-csv", str(old_csv)], capture_output=True, text=True,
-                         timeout=60, check=True, cwd=ROOT).stdout
+    old = subprocess.run(
+        [*BENCH_ATTENTION, "--from-csv", str(old_csv)], capture_output=True, text=True, timeout=60, check=True, cwd=ROOT
+    ).stdout
     assert [r[-3] for r in table_rows(old)[1:]] == ["causal", "causal"] and "masked rows" not in old
 
 
@@ -98,8 +130,24 @@ def test_bench_attention_peers_smoke(tmp_path):
     from benchmarks import bench_peers
 
     csv_path = tmp_path / "peers.csv"
-    out = subprocess.run([*BENCH_ATTENTION, "--smoke", "--world-sizes", "2", "--modes", "zigzag_ring_attn",
-                          "--peers", "all", "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, cwd=ROOT)
+    out = subprocess.run(
+        [
+            *BENCH_ATTENTION,
+            "--smoke",
+            "--world-sizes",
+            "2",
+            "--modes",
+            "zigzag_ring_attn",
+            "--peers",
+            "all",
+            "--csv",
+            str(csv_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     main_table, summary = out.stdout.split("peers: errors against SDPA")
     rows = {r[0]: r for r in table_rows(main_table)[1:]}
@@ -123,23 +171,51 @@ def test_bench_attention_peers_smoke(tmp_path):
             assert "WRONG: dk err" in rows[peer][-1] and "dv err" in rows[peer][-1], rows[peer]
 
     header, *peer_rows = table_rows(summary)
-    assert header[:4] == ["peer", "S", "P", "time (s)"] and header[5:10] == ["err out", "err dq", "err dk", "err dv",
-                                                                               "exact"]
+    assert header[:4] == ["peer", "S", "P", "time (s)"] and header[5:10] == [
+        "err out",
+        "err dq",
+        "err dk",
+        "err dv",
+        "exact",
+    ]
     assert [r[0] for r in peer_rows] == bench_peers.PEERS
     for r in peer_rows:
         if r[9] == "yes":  # an exact peer gets our fastest / lowest-peak mode's ratios
             assert r[10].endswith("(zigzag_ring_attn)") and float(r[10].split()[0]) > 0, r
     assert len(csv_path.read_text().splitlines()) == len(rows) + 1
-    again = subprocess.run([*BENCH_ATTENTION, "--from-csv", str(csv_path)], capture_output=True, text=True,
-                           timeout=60, check=True, cwd=ROOT).stdout
+    again = subprocess.run(
+        [*BENCH_ATTENTION, "--from-csv", str(csv_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     assert "peers: errors against SDPA" in again
 
 
 @pytest.mark.timeout(200)
 def test_bench_replica_check_smoke():
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "benchmarks.bench_replica_check", "--seq-lengths", "256", "--steps", "2"],
-                         capture_output=True, text=True, timeout=190, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "benchmarks.bench_replica_check",
+            "--seq-lengths",
+            "256",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=190,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     header, *rows = table_rows(out.stdout)
     assert header[0] == "seq len" and [r[0] for r in rows] == ["256"] and float(rows[0][1]) > 0
@@ -150,9 +226,25 @@ def test_bench_replica_check_smoke():
 @pytest.mark.parametrize("flags", [[], ["--sft", "--mode", "ulysses_attn"]], ids=["trainer", "sft"])
 def test_hf_trainer_example(tmp_path, flags):
     """examples/hf_trainer.py: the README's Trainer script, 2 steps on 2 CPU processes."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(ROOT / "examples" / "hf_trainer.py"), "--max-steps", "2", "--output-dir", str(tmp_path), *flags],
-                         capture_output=True, text=True, timeout=190)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "examples" / "hf_trainer.py"),
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=190,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "'eval_loss'" in out.stdout
 
@@ -160,11 +252,28 @@ def test_hf_trainer_example(tmp_path, flags):
 @pytest.mark.timeout(300)
 def test_bench_generate_smoke(tmp_path):
     csv_path = tmp_path / "generate.csv"
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_generate", "--smoke", "--modes", "zigzag_ring_attn",
-                          "--csv", str(csv_path)], capture_output=True, text=True, timeout=280, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_generate",
+            "--smoke",
+            "--modes",
+            "zigzag_ring_attn",
+            "--csv",
+            str(csv_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=True,
+        cwd=ROOT,
+    ).stdout
     header, *rows = table_rows(out)
     assert header[:4] == ["config", "S", "first token s", "ms/token"] and len(rows) == 4
-    assert [r[0] for r in rows] == ["hf", "zigzag_ring_attn P=2"] * 2 and [r[1] for r in rows] == ["1000"] * 2 + ["2000"] * 2
+    assert [r[0] for r in rows] == ["hf", "zigzag_ring_attn P=2"] * 2 and [r[1] for r in rows] == ["1000"] * 2 + [
+        "2000"
+    ] * 2
     for row in rows:
         assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[5]) > 0  # first token, ms/token, KV MiB
     for row in rows[1::2]:  # the sharded cache: about half of one process's (plus its spare slots)

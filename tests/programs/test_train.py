@@ -20,8 +20,18 @@ SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--lea
 
 def train(tmp_path, name, processes, *flags, timeout=240):
     out = tmp_path / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               str(ROOT / "train.py"), "--output-dir", str(out), *SMALL, *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        str(ROOT / "train.py"),
+        "--output-dir",
+        str(out),
+        *SMALL,
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -37,8 +47,15 @@ def test_every_mode_and_the_memory_options_train_like_data_parallel(tmp_path):
         "zigzag": ["--parallel_mode", "zigzag_ring_attn"],
         "ulysses": ["--parallel_mode", "ulysses_attn"],
         "dist_flash": ["--parallel_mode", "dist_flash_attn"],
-        "zigzag+memory": ["--parallel_mode", "zigzag_ring_attn", "--activation-checkpointing",
-                          "--tiled-mlp", "48", "--loss-chunk-size", "50"],
+        "zigzag+memory": [
+            "--parallel_mode",
+            "zigzag_ring_attn",
+            "--activation-checkpointing",
+            "--tiled-mlp",
+            "48",
+            "--loss-chunk-size",
+            "50",
+        ],
     }
     for name, flags in runs.items():
         got, _ = train(tmp_path, name, 2, *flags, *steps)
@@ -62,12 +79,16 @@ def test_chunked_loss_equals_cross_entropy_with_ignored_targets(chunk):
     want = F.cross_entropy(head(hidden).flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     want.backward()
     assert torch.allclose(got, want, rtol=1e-6, atol=0)  # a sum of about 190: measured 1.5e-5 (one ulp)
-    assert torch.allclose(got_grads[0], hidden.grad, atol=1e-6) and torch.allclose(got_grads[1], head.weight.grad, atol=1e-6)
+    assert torch.allclose(got_grads[0], hidden.grad, atol=1e-6) and torch.allclose(
+        got_grads[1], head.weight.grad, atol=1e-6
+    )
 
 
 def run_train_single(*flags):
     """train.py in one plain process (no torchrun): returns (exit code, stderr)."""
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *flags], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     return result.returncode, result.stderr
 
 
@@ -92,12 +113,23 @@ def test_bad_inputs_get_clear_messages(tmp_path):
     cases = [
         (["--dataset", str(short), "--seq-length", "512"], "row 1 has 100 tokens but 513 are needed"),
         (["--dataset", str(no_ids)], "has 6 tokens (with one EOS per document), fewer than one row of 2049"),
-        (["--dataset", str(no_ids), "--text-column", "body"], "has no 'body' column (columns: ['text']); give --text-column"),
+        (
+            ["--dataset", str(no_ids), "--text-column", "body"],
+            "has no 'body' column (columns: ['text']); give --text-column",
+        ),
         (["--streaming"], "--streaming needs --dataset"),
-        (["--model", str(other), "--seq-length", "256"], "the embedded corpus is byte tokens, for the byte-level default model"),
-        (["--dataset", str(foreign_ids), "--seq-length", "256", "--max-train-steps", "1"],
-         "step 1: the data holds token id 300, outside the model's vocabulary (0..256)"),
-        (["--dataset", str(no_ids), "--retrieval-fraction", "0.2"], "--retrieval-fraction applies to the embedded corpus"),
+        (
+            ["--model", str(other), "--seq-length", "256"],
+            "the embedded corpus is byte tokens, for the byte-level default model",
+        ),
+        (
+            ["--dataset", str(foreign_ids), "--seq-length", "256", "--max-train-steps", "1"],
+            "step 1: the data holds token id 300, outside the model's vocabulary (0..256)",
+        ),
+        (
+            ["--dataset", str(no_ids), "--retrieval-fraction", "0.2"],
+            "--retrieval-fraction applies to the embedded corpus",
+        ),
         (["--parallel_mode", "zigzag_ring_attn", "--ring_degree", "2"], "--ring_degree applies to usp_attn only"),
         (["--learning-rate", "0"], "--learning-rate must be > 0"),
         (["--offload-checkpoints"], "--offload-checkpoints needs --activation-checkpointing"),
@@ -143,8 +175,16 @@ def test_a_text_dataset_trains_packed_and_resumes_exactly(tmp_path, streaming):
     documents = [path.read_text(encoding="utf-8", errors="replace")[:3000] for path in stdlib_source_files()[:40]]
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
-    flags = ["--dataset", str(data), "--max-train-steps", "4", "--checkpointing-steps", "2", "--document-masking",
-             *(["--streaming"] if streaming else [])]
+    flags = [
+        "--dataset",
+        str(data),
+        "--max-train-steps",
+        "4",
+        "--checkpointing-steps",
+        "2",
+        "--document-masking",
+        *(["--streaming"] if streaming else []),
+    ]
     straight, out = train(tmp_path, "straight", 2, *flags)
     assert len(straight) == 4 and straight[-1] < straight[0]
     resumed, _ = train(tmp_path, "straight", 2, *flags, "--resume-from-checkpoint", str(out / "checkpoint-2"))

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import tiny_batch, tiny_model
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -14,7 +15,6 @@ from easy_context import (
 )
 from easy_context.core.kernels import FORWARD_CALLS
 from easy_context.core.layout import Layout
-from tiny_models import tiny_batch, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,9 @@ def test_import_needs_only_torch_and_transformers():
         "import sys, easy_context; heavy = {'flash_attn', 'ring_flash_attn', 'yunchang', 'deepspeed', 'triton'};"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
     )
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )
 
 
 @pytest.mark.parametrize("zigzag", [True, False])
@@ -51,7 +53,10 @@ def test_usp_layout_gives_each_ring_rank_its_zigzag_share_in_ulysses_order():
     # ring 2 x Ulysses 2 over 16 tokens: ring rank 0 holds zigzag chunks 0 and 3.
     layout = Layout(zigzag=True, ring_degree=2, ulysses_degree=2)
     assert [layout.local_indices(16, r).tolist() for r in range(4)] == [
-        [0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7], [8, 9, 10, 11]
+        [0, 1, 2, 3],
+        [12, 13, 14, 15],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
     ]
 
 
@@ -139,5 +144,11 @@ def test_data_parallel_patch_leaves_models_alone():
 
 
 def test_public_api_lists_modes_and_models():
-    assert set(easy_context.MODE_NAMES) == {"zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn", "data_parallel"}
+    assert set(easy_context.MODE_NAMES) == {
+        "zigzag_ring_attn",
+        "dist_flash_attn",
+        "ulysses_attn",
+        "usp_attn",
+        "data_parallel",
+    }
     assert {"llama", "mistral", "qwen2", "qwen3"} <= set(easy_context.SUPPORTED_MODEL_TYPES)

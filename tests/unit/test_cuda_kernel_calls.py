@@ -18,7 +18,6 @@ import math
 import sys
 import types
 from types import SimpleNamespace
-from typing import Optional
 
 import pytest
 import torch
@@ -85,7 +84,10 @@ def test_cuda_flash_calls_match_the_op_schemas(dtype, hq, hkv):
     # GQA native, the strided views as they came
     assert forward["query"] is q and forward["key"] is k and forward["value"] is v
     assert (forward["dropout_p"], forward["is_causal"], forward["return_debug_mask"], forward["scale"]) == (
-        0.0, True, False, 0.125,
+        0.0,
+        True,
+        False,
+        0.125,
     )
     backward = rec.only(aten._scaled_dot_product_flash_attention_backward.default)
     assert backward["grad_out"] is dout and backward["out"] is out  # the op makes its own layout
@@ -116,7 +118,10 @@ def test_cuda_efficient_calls_match_the_op_schemas(dtype, hq, hkv, masked):
     backward = rec.only(aten._scaled_dot_product_efficient_attention_backward.default)
     assert forward["query"] is q and forward["key"].shape == forward["value"].shape == (2, hq, sk, 64)
     assert (forward["compute_log_sumexp"], forward["dropout_p"], forward["is_causal"], forward["scale"]) == (
-        True, 0.0, causal, 0.125,
+        True,
+        0.0,
+        causal,
+        0.125,
     )
     for bias in (forward["attn_bias"], backward["attn_bias"]):
         if not masked:
@@ -170,8 +175,20 @@ def _stand_in_efficient_forward(q, k, v, attn_bias, compute_log_sumexp, dropout_
 
 
 def _stand_in_efficient_backward(
-    grad_out, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask,
-    is_causal=False, *, scale=None,
+    grad_out,
+    q,
+    k,
+    v,
+    attn_bias,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal=False,
+    *,
+    scale=None,
 ):
     """Uses the lse it is given as the kernel does, padding included: exp(score - lse), so a -inf
     lse would turn into NaN gradients."""
@@ -247,8 +264,17 @@ def _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv):
 
 
 def fake_flash_attn_func(
-    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
 ):
     assert q.stride(-1) == 1 and dropout_p == 0.0 and window_size == (-1, -1)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
@@ -266,18 +292,18 @@ def flash_attn_2_8_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     softmax_lse: torch.Tensor,
-    dq: Optional[torch.Tensor],
-    dk: Optional[torch.Tensor],
-    dv: Optional[torch.Tensor],
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
     dropout_p: float,
     softmax_scale: float,
     causal: bool,
     window_size_left: int,
     window_size_right: int,
     softcap: float,
-    alibi_slopes: Optional[torch.Tensor],
+    alibi_slopes: torch.Tensor | None,
     deterministic: bool,
-    rng_state: Optional[torch.Tensor] = None,
+    rng_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     assert (dropout_p, window_size_left, window_size_right, softcap, alibi_slopes) == (0.0, -1, -1, 0.0, None)
     _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
@@ -285,8 +311,23 @@ def flash_attn_2_8_backward(
 
 
 def flash_attn_2_6_backward(
-    dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size, softcap,
-    alibi_slopes, deterministic, rng_state=None,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
 ):
     assert (dropout_p, window_size, softcap, alibi_slopes) == (0.0, (-1, -1), 0.0, None)
     _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
@@ -352,13 +393,41 @@ def test_flash_attn_gets_the_softcap_in_both_directions_where_the_release_has_it
     (2.0 here) have no softcap: a softcapped call never picks flash_attn."""
     seen = {}
 
-    def forward(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    def forward(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+    ):
         seen["forward"] = softcap
         return fake_flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
 
-    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, rng_state=None):
+    def backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
         seen["backward"] = softcap
 
     q, k, v, dout = inputs(4, 2, 16, 16, torch.float16, layout="bshd")

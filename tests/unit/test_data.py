@@ -11,13 +11,33 @@ import numpy as np
 import pytest
 import torch
 
-from easy_context.programs.data import (BYTE_EOS_ID, PackedRows, StreamedRows, TokenRows, byte_tokenizer, document_positions,
-                               load_any_dataset, open_rows, retrieval_row, stdlib_token_stream, tokenize_documents,
-                               windows, with_retrieval_rows)
+from easy_context.programs.data import (
+    BYTE_EOS_ID,
+    PackedRows,
+    StreamedRows,
+    TokenRows,
+    byte_tokenizer,
+    document_positions,
+    load_any_dataset,
+    open_rows,
+    retrieval_row,
+    stdlib_token_stream,
+    tokenize_documents,
+    windows,
+    with_retrieval_rows,
+)
 from easy_context.programs.needle import NEEDLE
 
-DOCUMENTS = ["def f(x):\n    return x + 1\n", "Le café est très bon.", "a", "x" * 300, "import os\nprint(os.sep)\n",
-             "Third line.\n" * 20, "ünïcödé ✓", "last document"]
+DOCUMENTS = [
+    "def f(x):\n    return x + 1\n",
+    "Le café est très bon.",
+    "a",
+    "x" * 300,
+    "import os\nprint(os.sep)\n",
+    "Third line.\n" * 20,
+    "ünïcödé ✓",
+    "last document",
+]
 
 
 def write_jsonl(path, rows):
@@ -63,7 +83,7 @@ def test_packing_cuts_rows_exactly_at_document_ends():
     rows = PackedRows(datasets.Dataset.from_dict({"input_ids": documents}), length, eos, "docs")
     stream = [t for d in documents for t in [*d, eos]]
     assert len(rows) == len(stream) // length
-    assert torch.equal(rows[range(len(rows))], torch.tensor(stream[:len(rows) * length]).view(-1, length))
+    assert torch.equal(rows[range(len(rows))], torch.tensor(stream[: len(rows) * length]).view(-1, length))
 
 
 def test_text_is_tokenized_and_packed_with_eos_between_documents(tmp_path):
@@ -72,7 +92,7 @@ def test_text_is_tokenized_and_packed_with_eos_between_documents(tmp_path):
     rows = open_rows(path, length, byte_tokenizer())
     stream = packed_stream(DOCUMENTS)
     assert isinstance(rows, PackedRows) and len(rows) == len(stream) // length  # the incomplete last row is dropped
-    want = torch.tensor(stream[:len(rows) * length]).view(-1, length)
+    want = torch.tensor(stream[: len(rows) * length]).view(-1, length)
     assert torch.equal(rows[range(len(rows))], want)
     assert torch.equal(rows[[3, 0]], want[[3, 0]])
     # document masking: positions restart right after every EOS, and at each row start
@@ -110,7 +130,9 @@ def test_a_stream_reads_the_packed_rows_in_order_and_resumes_exactly(tmp_path):
     assert torch.equal(open_rows(path, length, byte_tokenizer(), streaming=True).read(5, 2), every[5:7])
     # token rows stream too, truncated like TokenRows
     ids = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": list(range(i, i + 40))} for i in range(4)])
-    assert torch.equal(open_rows(ids, 33, byte_tokenizer(), streaming=True).read(0, 4), open_rows(ids, 33, byte_tokenizer())[range(4)])
+    assert torch.equal(
+        open_rows(ids, 33, byte_tokenizer(), streaming=True).read(0, 4), open_rows(ids, 33, byte_tokenizer())[range(4)]
+    )
 
 
 def test_a_stream_is_split_between_data_parallel_groups(tmp_path):
@@ -137,16 +159,26 @@ def test_bad_data_is_refused_naming_the_column_or_row(tmp_path):
         path = write_jsonl(tmp_path / f"bad{i}.jsonl", rows)
         with pytest.raises(ValueError, match=re.escape(message)):
             open_rows(path, 33, tokenizer)
-    for i, (rows, message) in enumerate([
-        ([{"input_ids": list(range(40))}, {"input_ids": None}], "row 1 of column 'input_ids' is null or holds a null token id"),
-        ([{"input_ids": list(range(40))}, {"input_ids": [1, None] * 20}], "row 1 of column 'input_ids' is null or holds"),
-    ]):
+    for i, (rows, message) in enumerate(
+        [
+            (
+                [{"input_ids": list(range(40))}, {"input_ids": None}],
+                "row 1 of column 'input_ids' is null or holds a null token id",
+            ),
+            (
+                [{"input_ids": list(range(40))}, {"input_ids": [1, None] * 20}],
+                "row 1 of column 'input_ids' is null or holds",
+            ),
+        ]
+    ):
         with pytest.raises(ValueError, match=re.escape(message)):
             open_rows(write_jsonl(tmp_path / f"null{i}.jsonl", rows), 33, tokenizer)
     # streams: the column type up front where the stream declares it (datasets >= 5 does for
     # JSON), else at the first row read
     path = write_jsonl(tmp_path / "float-stream.jsonl", [{"input_ids": [0.5] * 40}])
-    with pytest.raises(ValueError, match=re.escape("column 'input_ids' holds List(Value('float64')), not lists of token ids")):
+    with pytest.raises(
+        ValueError, match=re.escape("column 'input_ids' holds List(Value('float64')), not lists of token ids")
+    ):
         open_rows(path, 33, tokenizer, streaming=True).read(0, 1)
     path = write_jsonl(tmp_path / "null-stream.jsonl", [{"input_ids": list(range(40))}, {"input_ids": None}])
     with pytest.raises(ValueError, match="streamed row 1 of column 'input_ids' is not a list of token ids"):

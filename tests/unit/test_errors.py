@@ -2,14 +2,14 @@
 
 import pytest
 import torch
-
 from ranks import run_ranks
+from tiny_models import tiny_batch, tiny_model
+
 from easy_context import (
     apply_seq_parallel_monkey_patch,
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from tiny_models import tiny_batch, tiny_model
 from easy_context.versions import cache_keyword, output_cache
 
 MODE = "zigzag_ring_attn"
@@ -96,7 +96,9 @@ def _two_rank_errors_worker(rank, world_size):
         apply_seq_parallel_monkey_patch("ulysses_attn", "llama")
         local = prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, rank, world_size, "cpu")
         three_heads = tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, head_dim=16, hidden_size=48)
-        heads = _error_of(lambda: three_heads(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]))
+        heads = _error_of(
+            lambda: three_heads(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"])
+        )
     return forgotten_positions, heads
 
 

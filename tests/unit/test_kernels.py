@@ -29,8 +29,11 @@ def reference(q, k, v, causal, scale, mask=None, softcap=None, sinks=None):
     if sinks is not None:  # a last key column: the sink's logit, its value zero
         scores = torch.cat([scores, sinks.double()[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
         v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], -2)
-        mask = None if mask is None else torch.cat([mask.expand(*mask.shape[:-1], k.shape[2]),
-                                                    mask.new_ones(*mask.shape[:-1], 1)], -1)
+        mask = (
+            None
+            if mask is None
+            else torch.cat([mask.expand(*mask.shape[:-1], k.shape[2]), mask.new_ones(*mask.shape[:-1], 1)], -1)
+        )
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool)
     if causal:
         allowed = allowed.tril()
@@ -69,7 +72,7 @@ def make_mask(kind, sq, sk, seed=0):
         q_pos, k_pos = torch.arange(sq) * sk // sq, torch.arange(sk)
         planes = []
         for bounds in ([sk // 3, sk // 2], [sk // 4]):
-            doc = lambda pos: torch.bucketize(pos, torch.tensor(bounds), right=True)  # noqa: E731
+            doc = lambda pos, bounds=bounds: torch.bucketize(pos, torch.tensor(bounds), right=True)  # noqa: E731
             planes.append(doc(q_pos)[:, None] == doc(k_pos)[None, :])
         return torch.stack(planes)[:, None]
     if kind == "key_padding":  # (B, 1, 1, Sk): batch 1 has its last keys padded, batch 0 all of them
@@ -293,7 +296,9 @@ def test_math_backend_in_row_tiles_equals_one_tile(monkeypatch, causal, kind, so
     monkeypatch.setattr(kernel_backends, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
     assert len(kernel_backends.row_tiles(q, k)) == 6
     tiled = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
-    tiled_grads = kernels.attention_backward(dout, q, k, v, *tiled, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    tiled_grads = kernels.attention_backward(
+        dout, q, k, v, *tiled, causal, 0.25, math_backend, mask=mask, softcap=softcap
+    )
     for got, want in zip((*tiled, *tiled_grads), (*one, *one_grads)):  # fp32 sums in another order
         assert_close(got, want, 1e-6 * max(1.0, want[want != -math.inf].abs().max().item()))
 

@@ -71,7 +71,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("layout", [Layout(True, 4), Layout(False, 3), Layout(True, 2, 2)], ids=lambda l: l.name)
+@pytest.mark.parametrize(
+    "layout", [Layout(True, 4), Layout(False, 3), Layout(True, 2, 2)], ids=lambda layout: layout.name
+)
 def test_blocks_cover_each_allowed_pair_exactly_once(case, layout):
     seq = 24 * layout.multiple
     positions, valid, window = CASES[case](seq, random.Random(0))

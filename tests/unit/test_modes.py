@@ -6,13 +6,9 @@ equal to the bytes counted on the wire; the planner, train.py and the eval scrip
 mode names."""
 
 import ast
-import importlib.util
 import itertools
 import math
-import sys
 from pathlib import Path
-
-import pytest
 
 from easy_context.modes import BUILT_MODES, MODE_NAMES, get_mode, modes_with
 from easy_context.modes.costs import AttentionShape, Traffic, balanced_schedule_traffic
@@ -89,12 +85,17 @@ def walked_dist_flash_bytes(rounds, S, P, B, Hq, Hkv, D, dtype):
     return max(sent)
 
 
-
 def configurations():
     """(mode, S, P, B, Hq, Hkv, D, dtype) that the mode runs at its default split."""
     for name, P, (Hq, Hkv), D, B, dtype, k in itertools.product(
-            [m for m in BUILT_MODES if get_mode(m).sequence_parallel], (1, 2, 3, 4, 6, 8),
-            ((8, 8), (8, 2), (12, 4), (6, 3), (4, 1)), (64, 24), (1, 2), DTYPE_BYTES, (1, 3)):
+        [m for m in BUILT_MODES if get_mode(m).sequence_parallel],
+        (1, 2, 3, 4, 6, 8),
+        ((8, 8), (8, 2), (12, 4), (6, 3), (4, 1)),
+        (64, 24),
+        (1, 2),
+        DTYPE_BYTES,
+        (1, 3),
+    ):
         mode = get_mode(name)
         topology = mode.topology(P)
         if Hq % topology.ulysses_degree:  # the mode refuses these heads (models.check_config)
@@ -154,7 +155,10 @@ def test_activation_declarations():
     ulysses = get_mode("ulysses_attn").activations(AttentionShape(8, 2, 64, a, 4, 1))
     assert ulysses.kv_replication == 2 and ulysses.saved == a * 8 * 64
     dist_flash = get_mode("dist_flash_attn")
-    assert dist_flash.keeps_attention_output and dist_flash.activations(AttentionShape(8, 2, 64, a, 4, 4)).kept_for_recompute
+    assert (
+        dist_flash.keeps_attention_output
+        and dist_flash.activations(AttentionShape(8, 2, 64, a, 4, 4)).kept_for_recompute
+    )
     assert not any(get_mode(m).keeps_attention_output for m in BUILT_MODES if m != dist_flash.name)
     assert get_mode("data_parallel").activations(AttentionShape(8, 2, 64, a)).backward_buffers == 0
 
@@ -189,8 +193,11 @@ def mode_name_literals(path: Path):
 
 
 def test_programs_ask_the_mode_instead_of_comparing_names():
-    files = sorted((ROOT / "easy_context" / "programs").rglob("*.py")) + sorted(ROOT.glob("train.py")) + sorted(
-        ROOT.glob("eval_*.py"))
+    files = (
+        sorted((ROOT / "easy_context" / "programs").rglob("*.py"))
+        + sorted(ROOT.glob("train.py"))
+        + sorted(ROOT.glob("eval_*.py"))
+    )
     assert len(files) > 5
     found = {str(path.relative_to(ROOT)): hits for path in files if (hits := mode_name_literals(path))}
     assert found == {}

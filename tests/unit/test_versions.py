@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_batch, tiny_model
 
 from easy_context import versions
 from easy_context.versions import SUPPORTED, UnsupportedVersionError, cache_keyword, check_supported, requirement
-from tiny_models import tiny_batch, tiny_model
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -20,18 +20,30 @@ def test_pyproject_declares_exactly_the_supported_ranges():
     assert {re.match(r"[a-z]+", d).group(0) for d in declared} == set(SUPPORTED)
     for entry in declared:
         package = re.match(r"[a-z]+", entry).group(0)
-        assert entry == requirement(package), f"pyproject.toml says {entry!r}, easy_context/versions.py {requirement(package)!r}"
+        assert entry == requirement(package), (
+            f"pyproject.toml says {entry!r}, easy_context/versions.py {requirement(package)!r}"
+        )
 
 
 def test_the_installed_versions_are_supported():
     check_supported()
 
 
-@pytest.mark.parametrize("package,version,ok", [
-    ("transformers", "5.9.0", True), ("transformers", "5.24.0", True), ("transformers", "5.8.2", False),
-    ("transformers", "6.0.0", False), ("transformers", "6.0.0.dev0", False), ("torch", "2.11.0+cu130", True),
-    ("torch", "2.10.1", False), ("torch", "2.15.0", True), ("accelerate", "1.10.0", False), ("accelerate", "1.15.0", True),
-])
+@pytest.mark.parametrize(
+    "package,version,ok",
+    [
+        ("transformers", "5.9.0", True),
+        ("transformers", "5.24.0", True),
+        ("transformers", "5.8.2", False),
+        ("transformers", "6.0.0", False),
+        ("transformers", "6.0.0.dev0", False),
+        ("torch", "2.11.0+cu130", True),
+        ("torch", "2.10.1", False),
+        ("torch", "2.15.0", True),
+        ("accelerate", "1.10.0", False),
+        ("accelerate", "1.15.0", True),
+    ],
+)
 def test_versions_outside_the_range_are_refused_naming_both(monkeypatch, package, version, ok):
     monkeypatch.delenv("EASY_CONTEXT_ALLOW_UNSUPPORTED", raising=False)
     monkeypatch.setattr(versions.importlib.metadata, "version", lambda name: version if name == package else "0")
@@ -62,8 +74,10 @@ class _OldCheckpointing:  # transformers < 5.17
         self.called = ("gradient_checkpointing_enable", gradient_checkpointing_kwargs, False)
 
 
-@pytest.mark.parametrize("model_class,name", [(_NewCheckpointing, "activation_checkpointing_enable"),
-                                              (_OffloadCheckpointing, "gradient_checkpointing_enable")])
+@pytest.mark.parametrize(
+    "model_class,name",
+    [(_NewCheckpointing, "activation_checkpointing_enable"), (_OffloadCheckpointing, "gradient_checkpointing_enable")],
+)
 def test_activation_checkpointing_is_enabled_by_whichever_name_the_model_has(model_class, name):
     for offload in (False, True):
         model = model_class()

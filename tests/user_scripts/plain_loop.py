@@ -15,8 +15,17 @@ from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_i
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+model = LlamaForCausalLM(
+    LlamaConfig(
+        vocab_size=260,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+)
 apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
 model = DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -18,8 +18,15 @@ import torch
 from easy_context.programs.needle import CITIES, NEEDLE
 
 __all__ = [
-    "byte_tokenizer", "stdlib_source_files", "stdlib_token_stream", "windows", "embedded_prose",
-    "stdlib_heldout_documents", "retrieval_row", "with_retrieval_rows", "BYTE_EOS_ID",
+    "byte_tokenizer",
+    "stdlib_source_files",
+    "stdlib_token_stream",
+    "windows",
+    "embedded_prose",
+    "stdlib_heldout_documents",
+    "retrieval_row",
+    "with_retrieval_rows",
+    "BYTE_EOS_ID",
 ]
 
 BYTE_EOS_ID = 256
@@ -42,7 +49,9 @@ def byte_tokenizer():
 
 def _bytes_to_unicode_inverse() -> dict:
     """GPT-2's reversible byte -> printable character map, inverted (character -> byte)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = [], 0
     for b in range(256):
         if b in printable:
@@ -85,12 +94,24 @@ def embedded_prose() -> str:
     language reference in pydoc_data, paragraphs separated by blank lines."""
     try:
         from pydoc_data.topics import topics
+
         texts = [topics[name] for name in sorted(topics)]
     except ImportError:  # some distributions strip pydoc_data: fall back to module docstrings
         import importlib
 
         texts = []
-        for name in ("argparse", "collections", "dataclasses", "functools", "json", "logging", "pathlib", "re", "typing", "unittest"):
+        for name in (
+            "argparse",
+            "collections",
+            "dataclasses",
+            "functools",
+            "json",
+            "logging",
+            "pathlib",
+            "re",
+            "typing",
+            "unittest",
+        ):
             texts.append(importlib.import_module(name).__doc__ or "")
     return "\n\n".join(text.strip() for text in texts if text.strip())
 
@@ -108,18 +129,19 @@ def stdlib_heldout_documents(max_chars: int) -> list[str]:
     return documents
 
 
-
-
-def retrieval_document(code: np.ndarray, size: int, cities: list[str], rng: np.random.Generator, digits: int = 7) -> np.ndarray:
+def retrieval_document(
+    code: np.ndarray, size: int, cities: list[str], rng: np.random.Generator, digits: int = 7
+) -> np.ndarray:
     """About `size` byte tokens in eval_needle.py's format: a stretch of `code` (its EOS tokens,
     between files, turned into line breaks, so it is one document under --document-masking)
     with one needle "The special magic {city} number is: {digits}." per city at random line
     starts, then one question and answer per city in random order, then EOS. Several cities
     per document: an answer is found by its city, not by being the only number."""
-    values = [str(rng.integers(10 ** (digits - 1), 10 ** digits)) for _ in cities]
+    values = [str(rng.integers(10 ** (digits - 1), 10**digits)) for _ in cities]
     needles = [NEEDLE.needle.format(key=c, value=v).encode() + b" " for c, v in zip(cities, values)]
     questions = b"".join(
-        (NEEDLE.question + NEEDLE.answer).format(key=cities[i], value=values[i]).encode() for i in rng.permutation(len(cities))
+        (NEEDLE.question + NEEDLE.answer).format(key=cities[i], value=values[i]).encode()
+        for i in rng.permutation(len(cities))
     )
     room = max(0, size - sum(map(len, needles)) - len(questions) - 1)  # haystack tokens (the EOS ends the document)
     haystack = np.where(code == BYTE_EOS_ID, ord("\n"), code)[:room]
@@ -133,7 +155,9 @@ def retrieval_document(code: np.ndarray, size: int, cities: list[str], rng: np.r
     return np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
 
 
-def retrieval_row(window: np.ndarray, rng: np.random.Generator, min_document: int = 64, max_needles: int = 4) -> np.ndarray:
+def retrieval_row(
+    window: np.ndarray, rng: np.random.Generator, min_document: int = 64, max_needles: int = 4
+) -> np.ndarray:
     """A row of retrieval documents made from a row of code (`window`) of the same length.
     Document sizes are log-uniform from `min_document` to the whole row, so the distance
     from needle to question covers every depth of every length up to the row's; the code

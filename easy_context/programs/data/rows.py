@@ -25,7 +25,12 @@ import numpy as np
 import torch
 
 __all__ = [
-    "document_positions", "load_any_dataset", "TokenRows", "PackedRows", "StreamedRows", "tokenize_documents",
+    "document_positions",
+    "load_any_dataset",
+    "TokenRows",
+    "PackedRows",
+    "StreamedRows",
+    "tokenize_documents",
     "open_rows",
 ]
 
@@ -56,10 +61,14 @@ def load_any_dataset(name_or_path: str, split: str = "train", subset: str | None
         suffix = Path(name_or_path).suffix
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}.get(suffix)
         if kind is None:
-            raise ValueError(f"dataset file {name_or_path!r}: use .json, .jsonl, .parquet or .txt, or a save_to_disk folder")
+            raise ValueError(
+                f"dataset file {name_or_path!r}: use .json, .jsonl, .parquet or .txt, or a save_to_disk folder"
+            )
         options = {"sample_by": "document"} if kind == "text" else {}
         try:
-            dataset = datasets.load_dataset(kind, data_files=name_or_path, split="train", streaming=streaming, **options)
+            dataset = datasets.load_dataset(
+                kind, data_files=name_or_path, split="train", streaming=streaming, **options
+            )
         except datasets.exceptions.DatasetsError as error:  # malformed rows, mixed schemas (not ValueError)
             cause = " ".join(str(error.__cause__ or error).split())[:300]
             raise ValueError(f"dataset file {name_or_path!r} cannot be read as {kind}: {cause}") from error
@@ -106,7 +115,9 @@ def _check_token_column_type(dataset, column: str, name: str) -> None:
     list_types = tuple(t for t in (getattr(datasets, n, None) for n in ("Sequence", "List", "LargeList")) if t)
     feature = dataset.features.get(column)
     inner = getattr(feature, "feature", None)
-    if not isinstance(feature, list_types) or not (isinstance(inner, datasets.Value) and inner.dtype.startswith(("int", "uint"))):
+    if not isinstance(feature, list_types) or not (
+        isinstance(inner, datasets.Value) and inner.dtype.startswith(("int", "uint"))
+    ):
         raise ValueError(f"dataset {name!r}: column {column!r} holds {_feature_name(feature)}, not lists of token ids")
 
 
@@ -118,16 +129,24 @@ def _check_token_column(dataset, column: str, name: str) -> None:
     _check_token_column_type(dataset, column, name)
     lists = dataset.data.column(column)
     if lists.null_count or pc.list_flatten(lists).null_count:
-        first = next((i for i, ids in enumerate(lists.to_pylist()) if ids is None or None in ids), None)  # only on error
-        raise ValueError(f"dataset {name!r}: row {first} of column {column!r} is null or holds a null token id; "
-                         "drop or fill such rows")
+        first = next(
+            (i for i, ids in enumerate(lists.to_pylist()) if ids is None or None in ids), None
+        )  # only on error
+        raise ValueError(
+            f"dataset {name!r}: row {first} of column {column!r} is null or holds a null token id; "
+            "drop or fill such rows"
+        )
 
 
 def _token_lists(dataset, column: str, indices) -> list[np.ndarray]:
     """The token lists of rows `indices`, as numpy views into the memory-mapped Arrow data
     (nothing is copied until a caller slices and converts them)."""
     table = dataset.with_format("arrow")[indices]
-    return [chunk[i].values.to_numpy(zero_copy_only=False) for chunk in table.column(column).chunks for i in range(len(chunk))]
+    return [
+        chunk[i].values.to_numpy(zero_copy_only=False)
+        for chunk in table.column(column).chunks
+        for i in range(len(chunk))
+    ]
 
 
 class TokenRows:
@@ -152,7 +171,7 @@ class TokenRows:
 
     def __getitem__(self, indices) -> torch.Tensor:
         lists = _token_lists(self.dataset, self.column, [int(i) for i in indices])
-        return torch.from_numpy(np.stack([ids[:self.length] for ids in lists]).astype(np.int64))
+        return torch.from_numpy(np.stack([ids[: self.length] for ids in lists]).astype(np.int64))
 
 
 class PackedRows:
@@ -161,15 +180,18 @@ class PackedRows:
     --document-masking its positions restart at each row start, as for any row). The plan is
     one cumulative count per document; a row reads only the documents it overlaps."""
 
-    def __init__(self, documents, length: int, eos_id: int, name: str, max_rows: int | None = None,
-                 column: str = "input_ids"):
+    def __init__(
+        self, documents, length: int, eos_id: int, name: str, max_rows: int | None = None, column: str = "input_ids"
+    ):
         _check_token_column(documents, column, name)
         self.ends = np.cumsum(_list_lengths(documents, column) + 1)  # +1: the EOS after each document
         total = int(self.ends[-1]) if self.ends.size else 0
         self.rows = total // length if max_rows is None else min(total // length, max_rows)
         if self.rows == 0:
-            raise ValueError(f"dataset {name!r} has {total} tokens (with one EOS per document), fewer than one row "
-                             f"of {length} (--seq-length + 1)")
+            raise ValueError(
+                f"dataset {name!r} has {total} tokens (with one EOS per document), fewer than one row "
+                f"of {length} (--seq-length + 1)"
+            )
         self.documents, self.column, self.length, self.eos_id = documents, column, length, eos_id
 
     def __len__(self) -> int:
@@ -189,7 +211,7 @@ class PackedRows:
         for ids in _token_lists(self.documents, self.column, range(first, last + 1)):
             # slice the memory-mapped view before converting: a row of a long document
             # copies its own tokens only
-            for piece in (ids[skip:skip + need], np.array([self.eos_id])[max(0, skip - ids.size):]):
+            for piece in (ids[skip : skip + need], np.array([self.eos_id])[max(0, skip - ids.size) :]):
                 pieces.append(piece[:need].astype(np.int64))
                 need -= pieces[-1].size
             skip = 0
@@ -232,11 +254,15 @@ def _stream_token_rows(stream, column: str, length: int, name: str):
     for i, example in enumerate(stream):
         ids = np.asarray(example[column] if isinstance(example[column], list) else [None])
         if ids.dtype.kind not in "iu":
-            raise ValueError(f"dataset {name!r}: streamed row {i} of column {column!r} is not a list of token ids "
-                             f"({str(example[column])[:60]})")
+            raise ValueError(
+                f"dataset {name!r}: streamed row {i} of column {column!r} is not a list of token ids "
+                f"({str(example[column])[:60]})"
+            )
         if ids.size < length:
-            raise ValueError(f"dataset {name!r}: streamed row {i} has {ids.size} tokens but {length} are needed "
-                             "(--seq-length + 1); give a text column instead (documents are then packed) or lower --seq-length")
+            raise ValueError(
+                f"dataset {name!r}: streamed row {i} has {ids.size} tokens but {length} are needed "
+                "(--seq-length + 1); give a text column instead (documents are then packed) or lower --seq-length"
+            )
         yield ids[:length]
 
 
@@ -262,17 +288,23 @@ def tokenize_documents(dataset, tokenizer, text_column: str, name: str):
 
     columns = _columns(dataset, name)
     if text_column not in columns:
-        raise ValueError(f"dataset {name!r} has no {text_column!r} column (columns: {columns}); give --text-column, "
-                         "or a dataset with an input_ids column")
+        raise ValueError(
+            f"dataset {name!r} has no {text_column!r} column (columns: {columns}); give --text-column, "
+            "or a dataset with an input_ids column"
+        )
     feature = dataset.features[text_column] if dataset.features else None
-    if feature is not None and not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+    if feature is not None and not (
+        isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+    ):
         raise ValueError(f"dataset {name!r}: column {text_column!r} holds {_feature_name(feature)}, not text")
 
     def tokenize(batch, indices):
         texts = batch[text_column]
         for i, text in zip(indices, texts):
             if not isinstance(text, str):
-                raise ValueError(f"dataset {name!r}: row {i} of column {text_column!r} is {type(text).__name__}, not text")
+                raise ValueError(
+                    f"dataset {name!r}: row {i} of column {text_column!r} is {type(text).__name__}, not text"
+                )
             if not text.strip():
                 raise ValueError(f"dataset {name!r}: row {i} of column {text_column!r} is empty; filter empty rows out")
         return {"input_ids": tokenizer(texts, add_special_tokens=False)["input_ids"]}
@@ -281,8 +313,17 @@ def tokenize_documents(dataset, tokenizer, text_column: str, name: str):
     return dataset.map(tokenize, batched=True, with_indices=True, remove_columns=columns, **options)
 
 
-def open_rows(name: str, length: int, tokenizer, text_column: str = "text", split: str = "train",
-              max_rows: int | None = None, streaming: bool = False, dp_rank: int = 0, dp_size: int = 1):
+def open_rows(
+    name: str,
+    length: int,
+    tokenizer,
+    text_column: str = "text",
+    split: str = "train",
+    max_rows: int | None = None,
+    streaming: bool = False,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+):
     """Rows of `length` tokens from a dataset: its `input_ids` column if it has one (rows
     truncated to `length`), otherwise `text_column` tokenized with `tokenizer` and packed.
     With streaming, a StreamedRows holding this data-parallel group's part of the stream."""
@@ -307,8 +348,11 @@ def open_rows(name: str, length: int, tokenizer, text_column: str = "text", spli
     def make_stream():
         import itertools
 
-        rows = (_stream_packed_rows(documents, "input_ids", length, eos_id) if packed
-                else _stream_token_rows(dataset, "input_ids", length, name))
+        rows = (
+            _stream_packed_rows(documents, "input_ids", length, eos_id)
+            if packed
+            else _stream_token_rows(dataset, "input_ids", length, name)
+        )
         return itertools.islice(rows, max_rows)
 
     return StreamedRows(make_stream, name)

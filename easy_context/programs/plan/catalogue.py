@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Optional
 
 __all__ = [
     "DEVICES",
@@ -22,7 +21,7 @@ __all__ = [
     "shape_from_config",
 ]
 
-GIB, MIB = 2 ** 30, 2 ** 20
+GIB, MIB = 2**30, 2**20
 
 
 class PlanError(ValueError):
@@ -41,21 +40,23 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied: bool = False
-    experts: int = 1              # routed experts per MoE layer (1: dense MLP)
+    experts: int = 1  # routed experts per MoE layer (1: dense MLP)
     experts_per_token: int = 1
 
     @property
-    def q(self) -> int:           # query (and attention output) width
+    def q(self) -> int:  # query (and attention output) width
         return self.heads * self.head_dim
 
     @property
-    def kv(self) -> int:          # key (= value) width
+    def kv(self) -> int:  # key (= value) width
         return self.kv_heads * self.head_dim
 
     @property
     def layer_params(self) -> int:
         attn = self.hidden * (self.q + 2 * self.kv) + self.q * self.hidden
-        mlp = 3 * self.hidden * self.intermediate * self.experts + (self.hidden * self.experts if self.experts > 1 else 0)
+        mlp = 3 * self.hidden * self.intermediate * self.experts + (
+            self.hidden * self.experts if self.experts > 1 else 0
+        )
         return attn + mlp + 2 * self.hidden
 
     @property
@@ -67,7 +68,7 @@ class ModelShape:
         return self.layers * self.layer_params + self.embedding_params * (1 if self.tied else 2) + self.hidden
 
     @property
-    def active_intermediate(self) -> int:   # MLP width a token goes through
+    def active_intermediate(self) -> int:  # MLP width a token goes through
         return self.intermediate * self.experts_per_token
 
     @property
@@ -93,18 +94,27 @@ PRESETS["llama-3.1-8b"] = replace(PRESETS["llama-3-8b"], name="llama-3.1-8b")
 
 def shape_from_config(config, name: str) -> ModelShape:
     config = getattr(config, "text_config", None) or config
-    get = lambda *keys, default=None: next((getattr(config, k) for k in keys if getattr(config, k, None) is not None), default)
+    get = lambda *keys, default=None: next(
+        (getattr(config, k) for k in keys if getattr(config, k, None) is not None), default
+    )
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     if not hidden or not heads or not get("num_hidden_layers") or not get("vocab_size"):
         raise PlanError(f"{name}: the config has no hidden_size / num_attention_heads / num_hidden_layers / vocab_size")
     experts = get("num_local_experts", "num_experts", "n_routed_experts", default=1) or 1
     inter = get("moe_intermediate_size", default=None) if experts > 1 else None
     return ModelShape(
-        name=name, hidden=hidden, intermediate=inter or get("intermediate_size", default=4 * hidden),
-        layers=get("num_hidden_layers"), heads=heads, kv_heads=get("num_key_value_heads", default=heads),
-        head_dim=get("head_dim", default=hidden // heads), vocab=get("vocab_size"),
-        tied=bool(get("tie_word_embeddings", default=False)), experts=experts,
-        experts_per_token=get("num_experts_per_tok", "num_experts_per_token", default=1) if experts > 1 else 1)
+        name=name,
+        hidden=hidden,
+        intermediate=inter or get("intermediate_size", default=4 * hidden),
+        layers=get("num_hidden_layers"),
+        heads=heads,
+        kv_heads=get("num_key_value_heads", default=heads),
+        head_dim=get("head_dim", default=hidden // heads),
+        vocab=get("vocab_size"),
+        tied=bool(get("tie_word_embeddings", default=False)),
+        experts=experts,
+        experts_per_token=get("num_experts_per_tok", "num_experts_per_token", default=1) if experts > 1 else 1,
+    )
 
 
 def load_model(name: str) -> ModelShape:
@@ -114,7 +124,9 @@ def load_model(name: str) -> ModelShape:
     try:
         from transformers import AutoConfig
     except ImportError as error:  # pragma: no cover
-        raise PlanError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}) and transformers is missing") from error
+        raise PlanError(
+            f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}) and transformers is missing"
+        ) from error
     path = name
     if os.path.isfile(path):
         path = os.path.dirname(path) or "."
@@ -124,7 +136,8 @@ def load_model(name: str) -> ModelShape:
         raise PlanError(
             f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), not a local config folder, and not a hub "
             f"model in the local cache ({type(error).__name__}: {str(error).splitlines()[0][:160]}); set "
-            "EASY_CONTEXT_PLAN_ONLINE=1 to look it up on the hub") from None
+            "EASY_CONTEXT_PLAN_ONLINE=1 to look it up on the hub"
+        ) from None
     return shape_from_config(config, name)
 
 
@@ -133,19 +146,19 @@ def load_model(name: str) -> ModelShape:
 class Device:
     name: str
     memory_gib: float
-    tflops: float            # dense bf16 peak (fp32 for cpu), per device
-    link_gbs: float          # per-device bandwidth to the other devices of its node, one direction
-    network_gbs: float       # per-device bandwidth across nodes
-    pcie_gbs: float          # host <-> device copies
-    runtime_gib: float       # CUDA context, NCCL and cuBLAS workspaces (cpu: interpreter + torch + transformers)
+    tflops: float  # dense bf16 peak (fp32 for cpu), per device
+    link_gbs: float  # per-device bandwidth to the other devices of its node, one direction
+    network_gbs: float  # per-device bandwidth across nodes
+    pcie_gbs: float  # host <-> device copies
+    runtime_gib: float  # CUDA context, NCCL and cuBLAS workspaces (cpu: interpreter + torch + transformers)
     per_node: int = 8
-    optimizer_params_per_s: float = 5e8   # CPU Adam (offloaded optimizer), per rank
+    optimizer_params_per_s: float = 5e8  # CPU Adam (offloaded optimizer), per rank
 
 
 def _cpu_memory_gib() -> float:
     try:
         with open("/proc/meminfo") as f:
-            return int(f.readline().split()[1]) / 2 ** 20
+            return int(f.readline().split()[1]) / 2**20
     except OSError:  # pragma: no cover
         return 16.0
 
@@ -163,12 +176,14 @@ DEVICES["h100"] = DEVICES["h100-80g"]
 DEVICES["a100"] = DEVICES["a100-80g"]
 
 
-def get_device(name: Optional[str], memory_gib: Optional[float] = None) -> Device:
+def get_device(name: str | None, memory_gib: float | None = None) -> Device:
     if name is None:
         name = "h100-80g"
     key = name.lower()
     if key not in DEVICES:
-        raise PlanError(f"unknown GPU {name!r}; choose one of {sorted(set(DEVICES))} (or give --gpu-memory-gib with any of them)")
+        raise PlanError(
+            f"unknown GPU {name!r}; choose one of {sorted(set(DEVICES))} (or give --gpu-memory-gib with any of them)"
+        )
     device = DEVICES[key]
     if key == "cpu":
         device = replace(device, memory_gib=_cpu_memory_gib())
@@ -190,8 +205,8 @@ class Options:
     ring_degree: int
     checkpointing: bool = False
     offload_checkpoints: bool = False
-    tiled_mlp: int = 0            # tokens per MLP tile (0: off)
-    loss_chunk: int = 0           # tokens per loss chunk (0: the whole local sequence at once)
+    tiled_mlp: int = 0  # tokens per MLP tile (0: off)
+    loss_chunk: int = 0  # tokens per loss chunk (0: the whole local sequence at once)
     zero: str = "none"
 
     @property

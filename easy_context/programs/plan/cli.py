@@ -29,22 +29,52 @@ from easy_context.programs.plan.planner import flags_of, plan
 
 __all__ = ["COLUMNS", "main", "parse_args", "render", "table_cells"]
 
-COLUMNS = ["#", "mode", "sp", "ring", "ckpt", "offload ckpt", "tiled MLP", "loss chunk", "ZeRO", "peak GiB/rank",
-           "fits", "tokens/s", "bound by"]
+COLUMNS = [
+    "#",
+    "mode",
+    "sp",
+    "ring",
+    "ckpt",
+    "offload ckpt",
+    "tiled MLP",
+    "loss chunk",
+    "ZeRO",
+    "peak GiB/rank",
+    "fits",
+    "tokens/s",
+    "bound by",
+]
 
 
 def table_cells(rank: int, r: dict) -> list:
-    return [str(rank), r["mode"], str(r["sp_size"]), str(r["ring_degree"]), "yes" if r["activation_checkpointing"] else "no",
-            "yes" if r["offload_checkpoints"] else "no", str(r["tiled_mlp"] or "off"), str(r["loss_chunk_size"] or "whole"),
-            r["zero"], f"{r['peak_gib']:.2f}", "yes" if r["fits"] else "NO", f"{r['tokens_per_s']:.0f}", r["limiter"]]
+    return [
+        str(rank),
+        r["mode"],
+        str(r["sp_size"]),
+        str(r["ring_degree"]),
+        "yes" if r["activation_checkpointing"] else "no",
+        "yes" if r["offload_checkpoints"] else "no",
+        str(r["tiled_mlp"] or "off"),
+        str(r["loss_chunk_size"] or "whole"),
+        r["zero"],
+        f"{r['peak_gib']:.2f}",
+        "yes" if r["fits"] else "NO",
+        f"{r['tokens_per_s']:.0f}",
+        r["limiter"],
+    ]
 
 
 def render(result: dict, rows: list) -> str:
     m, dev = result["model"], result["device"]
-    out = [f"model {m['name']}: {result['params'] / 1e9:.2f}B params, hidden {m['hidden']}, intermediate {m['intermediate']}, "
-           f"{m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV heads, vocab {m['vocab']}",
-           f"{result['seq_length']} tokens on {result['gpus']} x {dev['name']} ({dev['memory_gib']:.1f} GiB each), {result['dtype']}, "
-           f"safety margin {result['margin']:.0%}", ""]
+    out = [
+        f"model {m['name']}: {result['params'] / 1e9:.2f}B params, hidden {m['hidden']}, "
+        f"intermediate {m['intermediate']}, "
+        f"{m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV heads, vocab {m['vocab']}",
+        f"{result['seq_length']} tokens on {result['gpus']} x {dev['name']} ({dev['memory_gib']:.1f} GiB each), "
+        f"{result['dtype']}, "
+        f"safety margin {result['margin']:.0%}",
+        "",
+    ]
     out.append("| " + " | ".join(COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))
     for i, r in enumerate(rows, 1):
@@ -54,9 +84,11 @@ def render(result: dict, rows: list) -> str:
         out.append(f"\n({shown} of {len(result['rows'])} combinations shown; --all for every one)")
     best = result["recommendation"]
     if best:
-        out.append(f"\nrecommended: {best['mode']}, sp_size {best['sp_size']}"
-                   + (f", ring_degree {best['ring_degree']}" if get_mode(best["mode"]).takes_ring_degree else "")
-                   + f": {best['peak_gib']:.2f} GiB/rank predicted, {best['tokens_per_s']:.0f} tokens/s predicted")
+        out.append(
+            f"\nrecommended: {best['mode']}, sp_size {best['sp_size']}"
+            + (f", ring_degree {best['ring_degree']}" if get_mode(best["mode"]).takes_ring_degree else "")
+            + f": {best['peak_gib']:.2f} GiB/rank predicted, {best['tokens_per_s']:.0f} tokens/s predicted"
+        )
         out.append("  " + flags_of(best, result["seq_length"]))
         out.append(f"  memory at the peak ({best['peak_phase']}):")
         for k, v in best["terms_gib"].items():
@@ -65,21 +97,36 @@ def render(result: dict, rows: list) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m easy_context.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}), a local config folder, or a cached hub name")
+    p = argparse.ArgumentParser(
+        prog="python -m easy_context.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help=f"a preset ({', '.join(PRESETS)}), a local config folder, or a cached hub name"
+    )
     p.add_argument("--seq-length", type=int, required=True, help="tokens per training sequence")
     p.add_argument("--gpus", type=int, default=8, help="devices in the job (world size)")
     p.add_argument("--gpu", default="h100-80g", help=f"one of {sorted(set(DEVICES))}")
-    p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="memory per device (overrides the named GPU's; cpu: this machine's memory / --gpus)")
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="memory per device (overrides the named GPU's; cpu: this machine's memory / --gpus)",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (cpu: fp32)")
-    p.add_argument("--margin", type=float, default=0.10, help="safety margin: a row fits when peak <= memory x (1 - margin)")
+    p.add_argument(
+        "--margin", type=float, default=0.10, help="safety margin: a row fits when peak <= memory x (1 - margin)"
+    )
     p.add_argument("--sp-size", type=int, action="append", default=None, help="only these SP sizes (repeatable)")
     p.add_argument("--mode", action="append", default=None, help="only these modes (repeatable)")
-    p.add_argument("--zero", action="append", default=None, choices=ZERO_CHOICES + ("noopt",), help="only these ZeRO settings")
-    p.add_argument("--tiled-mlp", type=int, default=None, help="MLP tile to consider (default: ~hidden_size tokens, >= 1024)")
-    p.add_argument("--loss-chunk-size", type=int, default=None, help="loss chunk to consider (default: logits within 2 GiB)")
+    p.add_argument(
+        "--zero", action="append", default=None, choices=ZERO_CHOICES + ("noopt",), help="only these ZeRO settings"
+    )
+    p.add_argument(
+        "--tiled-mlp", type=int, default=None, help="MLP tile to consider (default: ~hidden_size tokens, >= 1024)"
+    )
+    p.add_argument(
+        "--loss-chunk-size", type=int, default=None, help="loss chunk to consider (default: logits within 2 GiB)"
+    )
     p.add_argument("--top", type=int, default=15, help="rows to print (best first)")
     p.add_argument("--all", action="store_true", help="print every combination")
     p.add_argument("--json", action="store_true", help="the same rows as JSON")
@@ -95,18 +142,29 @@ def main(argv=None) -> int:
                 raise PlanError(f"unknown mode(s) {unknown}; choose from {list(BUILT_MODES)}")
         model = load_model(args.model)
         device = get_device(args.gpu, args.gpu_memory_gib)
-        if device.name == "cpu" and args.gpu_memory_gib is None:   # the ranks share the machine's memory
+        if device.name == "cpu" and args.gpu_memory_gib is None:  # the ranks share the machine's memory
             device = replace(device, memory_gib=device.memory_gib / max(1, args.gpus))
         for name in ("tiled_mlp", "loss_chunk_size", "top"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise PlanError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        result = plan(model, args.seq_length, args.gpus, device, args.dtype, args.margin, args.sp_size, args.mode,
-                      args.zero, args.tiled_mlp, args.loss_chunk_size)
+        result = plan(
+            model,
+            args.seq_length,
+            args.gpus,
+            device,
+            args.dtype,
+            args.margin,
+            args.sp_size,
+            args.mode,
+            args.zero,
+            args.tiled_mlp,
+            args.loss_chunk_size,
+        )
     except PlanError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    rows = result["rows"] if args.all else result["rows"][:args.top]
+    rows = result["rows"] if args.all else result["rows"][: args.top]
     if args.json:
         print(json.dumps({**result, "rows": rows, "rows_total": len(result["rows"])}, indent=1))
     else:
@@ -114,8 +172,12 @@ def main(argv=None) -> int:
     if result["recommendation"] is None:
         small = result["smallest"]
         more = f"{small['gpus']} x {args.gpu}" if small["gpus"] else "no GPU count up to 65536"
-        print(f"error: nothing fits {args.seq_length} tokens on {args.gpus} x {device.name} ({device.memory_gib:.1f} GiB, "
-              f"margin {args.margin:.0%}); the best combination needs {small['memory_gib']} GiB per GPU, "
-              f"or use {more}", file=sys.stderr)
+        print(
+            f"error: nothing fits {args.seq_length} tokens on {args.gpus} x {device.name} "
+            f"({device.memory_gib:.1f} GiB, "
+            f"margin {args.margin:.0%}); the best combination needs {small['memory_gib']} GiB per GPU, "
+            f"or use {more}",
+            file=sys.stderr,
+        )
         return 3
     return 0

@@ -46,10 +46,10 @@ def activation_terms(model: ModelShape, o: Options, a: int) -> dict:
     h, q, kv, i = model.hidden, model.q, model.kv, model.active_intermediate
     mode = get_mode(o.mode).activations(attention_shape(model, o, a))
     kv_saved = kv * mode.kv_replication
-    norm = 4 * h + 2 * a * h + 4               # RMSNorm: fp32 input, normalized, output (+ rsqrt)
-    attn = norm + a * (q + 2 * kv_saved) + a * q + 4 * model.heads + mode.saved   # q,k,v after RoPE; output; fp32 lse
+    norm = 4 * h + 2 * a * h + 4  # RMSNorm: fp32 input, normalized, output (+ rsqrt)
+    attn = norm + a * (q + 2 * kv_saved) + a * q + 4 * model.heads + mode.saved  # q,k,v after RoPE; output; fp32 lse
     mlp_in = norm
-    mlp = 4 * a * i                            # gate, act(gate), up, act*up
+    mlp = 4 * a * i  # gate, act(gate), up, act*up
     return {"rep": mode.kv_replication, "kv_saved": kv_saved, "attn": attn, "mlp_in": mlp_in, "mlp": mlp, "mode": mode}
 
 
@@ -57,7 +57,7 @@ def attention_transient(model: ModelShape, o: Options, a: int, kv_saved: int) ->
     """Bytes per local token live during one layer's attention backward (its largest phase):
     the kernel's gradients and the mode's buffers."""
     q = model.q
-    kernel = 4 * q + a * (q + 2 * kv_saved)        # fp32 dq accumulation + dq, dk, dv
+    kernel = 4 * q + a * (q + 2 * kv_saved)  # fp32 dq accumulation + dq, dk, dv
     return kernel + get_mode(o.mode).activations(attention_shape(model, o, a)).backward_buffers
 
 
@@ -67,8 +67,15 @@ def loss_bytes_per_token(model: ModelShape, a: int) -> int:
     return model.vocab * (12 + (a if a < 4 else 0))
 
 
-def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device, dtype: str = "bf16",
-             persistent_grads: bool = True) -> dict:
+def estimate(
+    model: ModelShape,
+    seq: int,
+    gpus: int,
+    o: Options,
+    device: Device,
+    dtype: str = "bf16",
+    persistent_grads: bool = True,
+) -> dict:
     """Per-rank peak memory (bytes) of one training step, with its terms, for options `o`."""
     a = 4 if dtype == "fp32" else 2
     # the residual stream (layer inputs kept by checkpointing, hidden-state gradients): fp32
@@ -97,8 +104,8 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
         grad_layer = 0 if "gradients" in states else wb * layer_p
         gathered_lm = gathered_layers = 0
     else:
-        gather = 0 if (W == 1 and o.zero != "zero3-offload") else 1    # a full copy needs no gathering
-        buckets = 1 if (gather or o.zero != "zero3") else 0              # gradients leave through buckets
+        gather = 0 if (W == 1 and o.zero != "zero3-offload") else 1  # a full copy needs no gathering
+        buckets = 1 if (gather or o.zero != "zero3") else 0  # gradients leave through buckets
         if o.zero == "zero3":
             states["params (bf16 shard)"] = 2 * N / W
             states["gradients (bf16 shard)"] = 2 * N / W
@@ -106,7 +113,7 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
         elif o.zero == "zero3-opt-offload":
             states["params (bf16 shard)"] = 2 * N / W
         # gathered parameters and gradient buckets in flight (stage-3 prefetch + reduce)
-        gathered_layers = gather * 2 * (2 * layer_p) + buckets * 2 * (2 * layer_p)   # 2 layers, bf16
+        gathered_layers = gather * 2 * (2 * layer_p) + buckets * 2 * (2 * layer_p)  # 2 layers, bf16
         gathered_lm = (gather + buckets) * 2 * model.embedding_params
         grad_lm = grad_layer = 0
     persistent = device.runtime_gib * GIB + sum(states.values())
@@ -128,7 +135,8 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
     # F: the loss, at the start of the backward: every layer's saved tensors, the final norm's,
     # one chunk of logits with its gradients, the output layer's gradient (or gathered weight).
     phases["loss"] = {
-        "runtime": device.runtime_gib * GIB, **states,
+        "runtime": device.runtime_gib * GIB,
+        **states,
         "gathered params / grad buckets": gathered_lm,
         "output-layer gradient": grad_lm,
         "saved activations (all layers)": saved_layers * s,
@@ -140,11 +148,14 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
     # its attention part with the mode's buffers.
     recompute = 0
     if o.checkpointing:
-        recompute = act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]) + (hb * h if o.offload_checkpoints else 0)
+        recompute = (
+            act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]) + (hb * h if o.offload_checkpoints else 0)
+        )
     i = model.active_intermediate
-    mlp_tmp = 6 * a * i * min(o.tiled_mlp, s) if tiled else 2 * a * i * s   # tile: recomputed + grads; whole: grads
+    mlp_tmp = 6 * a * i * min(o.tiled_mlp, s) if tiled else 2 * a * i * s  # tile: recomputed + grads; whole: grads
     common = {
-        "runtime": device.runtime_gib * GIB, **states,
+        "runtime": device.runtime_gib * GIB,
+        **states,
         "gathered params / grad buckets": gathered_layers,
         "output-layer + layer gradients": grad_lm + grad_layer,
         "saved activations (all layers)": saved_layers * s,
@@ -154,17 +165,29 @@ def estimate(model: ModelShape, seq: int, gpus: int, o: Options, device: Device,
     }
     phases["layer backward: MLP"] = {**common, "MLP transient (tile or whole)": mlp_tmp}
     attn_part = dict(common)
-    attn_part["recomputed layer"] = (recompute - (act["mlp_in"] + (0 if tiled else act["mlp"]))) * s if o.checkpointing else recompute * s
-    if not o.checkpointing:   # the MLP's saved tensors of the last layer are freed by now
+    attn_part["recomputed layer"] = (
+        (recompute - (act["mlp_in"] + (0 if tiled else act["mlp"]))) * s if o.checkpointing else recompute * s
+    )
+    if not o.checkpointing:  # the MLP's saved tensors of the last layer are freed by now
         attn_part["saved activations (all layers)"] -= (act["mlp_in"] + (0 if tiled else act["mlp"])) * s
     attn_part["attention transient (mode)"] = attn_t * s
     phases["layer backward: attention"] = attn_part
     if not persistent_grads or o.zero == "noopt":
-        phases["end of backward"] = {"runtime": device.runtime_gib * GIB, **states, "all gradients": 4 * N,
-                                     "hidden grads + RoPE + ids": (2 * hidden_grad + rope + ids) * s}
+        phases["end of backward"] = {
+            "runtime": device.runtime_gib * GIB,
+            **states,
+            "all gradients": 4 * N,
+            "hidden grads + RoPE + ids": (2 * hidden_grad + rope + ids) * s,
+        }
     totals = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
-    return {"peak_bytes": totals[peak_phase], "peak_phase": peak_phase,
-            "terms": {k: v for k, v in phases[peak_phase].items() if v},
-            "phases": totals, "local_tokens": s, "loss_chunk": chunk, "tiled": tiled, "persistent": persistent}
-
+    return {
+        "peak_bytes": totals[peak_phase],
+        "peak_phase": peak_phase,
+        "terms": {k: v for k, v in phases[peak_phase].items() if v},
+        "phases": totals,
+        "local_tokens": s,
+        "loss_chunk": chunk,
+        "tiled": tiled,
+        "persistent": persistent,
+    }

@@ -4,7 +4,6 @@ combination (peak memory, tokens/s) and the recommendation."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Optional
 
 from easy_context.modes import BUILT_MODES, get_mode
 from easy_context.programs.plan.catalogue import (
@@ -45,7 +44,7 @@ def layout_multiple(mode: str, sp: int, ring: int) -> int:
     return _topology_and_layout(mode, sp, ring)[1].multiple
 
 
-def check_layout(model: ModelShape, seq: int, mode: str, sp: int, ring: int) -> Optional[str]:
+def check_layout(model: ModelShape, seq: int, mode: str, sp: int, ring: int) -> str | None:
     """None when the mode runs this layout, else why not: the mode's own topology and length
     checks, and the head split models.check_config makes before the first forward."""
     try:
@@ -88,12 +87,23 @@ def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads
     tp = throughput(model, seq, gpus, o, device, dtype)
     budget = device.memory_gib * GIB * (1 - margin)
     return {
-        "mode": o.mode, "sp_size": o.sp, "ring_degree": o.ring_degree, "ulysses_degree": o.ulysses_degree,
-        "dp_size": gpus // o.sp, "activation_checkpointing": o.checkpointing, "offload_checkpoints": o.offload_checkpoints,
-        "tiled_mlp": o.tiled_mlp, "loss_chunk_size": o.loss_chunk, "zero": o.zero,
-        "peak_gib": round(mem["peak_bytes"] / GIB, 3), "fits": mem["peak_bytes"] <= budget,
-        "tokens_per_s": round(tp["tokens_per_s"], 1), "step_s": round(tp["step_s"], 3), "limiter": tp["limiter"],
-        "peak_phase": mem["peak_phase"], "terms_gib": {k: round(v / GIB, 3) for k, v in mem["terms"].items()},
+        "mode": o.mode,
+        "sp_size": o.sp,
+        "ring_degree": o.ring_degree,
+        "ulysses_degree": o.ulysses_degree,
+        "dp_size": gpus // o.sp,
+        "activation_checkpointing": o.checkpointing,
+        "offload_checkpoints": o.offload_checkpoints,
+        "tiled_mlp": o.tiled_mlp,
+        "loss_chunk_size": o.loss_chunk,
+        "zero": o.zero,
+        "peak_gib": round(mem["peak_bytes"] / GIB, 3),
+        "fits": mem["peak_bytes"] <= budget,
+        "tokens_per_s": round(tp["tokens_per_s"], 1),
+        "step_s": round(tp["step_s"], 3),
+        "limiter": tp["limiter"],
+        "peak_phase": mem["peak_phase"],
+        "terms_gib": {k: round(v / GIB, 3) for k, v in mem["terms"].items()},
     }
 
 
@@ -113,23 +123,41 @@ def flags_of(row: dict, seq: int) -> str:
         parts.append(f"--tiled-mlp {row['tiled_mlp']}")
     # no chunking: one chunk as long as the rank's shard of the sequence
     parts.append(f"--seq-length {seq} --loss-chunk-size {row['loss_chunk_size'] or seq // row['sp_size']}")
-    config = {"none": "no DeepSpeed (DDP)",
-              "zero3": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_optimizer and offload_param",
-              "zero3-opt-offload": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_param",
-              "zero3-offload": "ZeRO-3: accelerate_configs/single_node.yaml (zero3_offload.json as shipped)",
-              "noopt": "no optimizer"}[row["zero"]]
+    config = {
+        "none": "no DeepSpeed (DDP)",
+        "zero3": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_optimizer and offload_param",
+        "zero3-opt-offload": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_param",
+        "zero3-offload": "ZeRO-3: accelerate_configs/single_node.yaml (zero3_offload.json as shipped)",
+        "noopt": "no optimizer",
+    }[row["zero"]]
     return " ".join(parts) + f"   [{config}]"
 
 
 def complexity(row: dict) -> int:
     """How many memory options a row turns on (ZeRO levels count one each)."""
     zero = ZERO_CHOICES.index(row["zero"]) if row["zero"] in ZERO_CHOICES else 0
-    return (row["activation_checkpointing"] + row["offload_checkpoints"] + bool(row["tiled_mlp"])
-            + bool(row["loss_chunk_size"]) + zero)
+    return (
+        row["activation_checkpointing"]
+        + row["offload_checkpoints"]
+        + bool(row["tiled_mlp"])
+        + bool(row["loss_chunk_size"])
+        + zero
+    )
 
 
-def plan(model: ModelShape, seq: int, gpus: int, device: Device, dtype: Optional[str] = None, margin: float = 0.10,
-         sp_sizes=None, modes=None, zero_choices=None, tile: Optional[int] = None, chunk: Optional[int] = None) -> dict:
+def plan(
+    model: ModelShape,
+    seq: int,
+    gpus: int,
+    device: Device,
+    dtype: str | None = None,
+    margin: float = 0.10,
+    sp_sizes=None,
+    modes=None,
+    zero_choices=None,
+    tile: int | None = None,
+    chunk: int | None = None,
+) -> dict:
     if seq < 1:
         raise PlanError(f"--seq-length must be positive, got {seq}")
     if gpus < 1:
@@ -147,24 +175,48 @@ def plan(model: ModelShape, seq: int, gpus: int, device: Device, dtype: Optional
     ok, refused = layouts(model, seq, gpus, sp_sizes, modes)
     if not ok:
         multiples = sorted({layout_multiple(m, s, r) for m, s, r, _ in refused})
-        reasons = "; ".join(sorted({f"{m} sp={s}" + (f" ring={r}" if get_mode(m).takes_ring_degree else "") + f": {why}"
-                                    for m, s, r, why in refused}))
+        reasons = "; ".join(
+            sorted(
+                {
+                    f"{m} sp={s}" + (f" ring={r}" if get_mode(m).takes_ring_degree else "") + f": {why}"
+                    for m, s, r, why in refused
+                }
+            )
+        )
         hint = f" Sequence lengths must divide by one of {multiples}." if multiples else ""
         raise PlanError(f"no mode runs {seq} tokens on {gpus} GPUs with these settings ({reasons}).{hint}")
-    rows = [row_of(model, seq, gpus, o, device, dtype, margin)
-            for layout in ok for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)]
-    rows.sort(key=lambda r: (not r["fits"], -r["tokens_per_s"] if r["fits"] else r["peak_gib"], complexity(r), r["peak_gib"]))
+    rows = [
+        row_of(model, seq, gpus, o, device, dtype, margin)
+        for layout in ok
+        for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)
+    ]
+    rows.sort(
+        key=lambda r: (not r["fits"], -r["tokens_per_s"] if r["fits"] else r["peak_gib"], complexity(r), r["peak_gib"])
+    )
     best = None
     if rows[0]["fits"]:  # the fastest that fits; within 1% of it, the fewest options, then the least memory
         near = [r for r in rows if r["fits"] and r["tokens_per_s"] >= 0.99 * rows[0]["tokens_per_s"]]
         best = min(near, key=lambda r: (complexity(r), r["peak_gib"]))
         rows.remove(best)
         rows.insert(0, best)
-    result = {"model": asdict(model), "params": model.params, "seq_length": seq, "gpus": gpus, "device": asdict(device),
-              "dtype": dtype, "margin": margin, "tile": tile, "chunk": chunk, "recommendation": best, "rows": rows,
-              "refused": [{"mode": m, "sp_size": s, "ring_degree": r, "why": w} for m, s, r, w in refused]}
+    result = {
+        "model": asdict(model),
+        "params": model.params,
+        "seq_length": seq,
+        "gpus": gpus,
+        "device": asdict(device),
+        "dtype": dtype,
+        "margin": margin,
+        "tile": tile,
+        "chunk": chunk,
+        "recommendation": best,
+        "rows": rows,
+        "refused": [{"mode": m, "sp_size": s, "ring_degree": r, "why": w} for m, s, r, w in refused],
+    }
     if best is None:
-        result["smallest"] = smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk)
+        result["smallest"] = smallest_fit(
+            model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk
+        )
     return result
 
 
@@ -177,8 +229,12 @@ def smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes,
     while g < 1 << 16:
         g = g * 2
         ok, _ = layouts(model, seq, g, None, modes)
-        fits = [row_of(model, seq, g, o, device, dtype, margin) for layout in ok if layout[1] == g
-                for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)]
+        fits = [
+            row_of(model, seq, g, o, device, dtype, margin)
+            for layout in ok
+            if layout[1] == g
+            for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)
+        ]
         if any(r["fits"] for r in fits):
             more = g
             break

@@ -9,7 +9,7 @@ from easy_context.programs.plan.memory import attention_shape
 
 __all__ = ["EFFICIENCY", "throughput"]
 
-EFFICIENCY = 0.5   # achieved fraction of the device's peak on the FLOPs actually executed
+EFFICIENCY = 0.5  # achieved fraction of the device's peak on the FLOPs actually executed
 
 
 def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Device, dtype: str = "bf16") -> dict:
@@ -19,22 +19,22 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
     L, h, q = model.layers, model.hidden, model.q
     mode = get_mode(o.mode)
     P = model.matmul_params_per_token
-    attn_fwd = 2 * seq * q * L                       # causal QK^T + PV per token, all layers
-    flops = 6 * P + 3.5 * attn_fwd                   # fwd + bwd (flash backward recomputes the scores)
+    attn_fwd = 2 * seq * q * L  # causal QK^T + PV per token, all layers
+    flops = 6 * P + 3.5 * attn_fwd  # fwd + bwd (flash backward recomputes the scores)
     if o.checkpointing:
-        flops += 2 * (P - model.vocab * h)           # layers' forward again
+        flops += 2 * (P - model.vocab * h)  # layers' forward again
         if not mode.keeps_attention_output:
-            flops += attn_fwd                        # attention forward again
+            flops += attn_fwd  # attention forward again
     if 0 < o.tiled_mlp < s:
-        flops += 2 * 3 * h * model.active_intermediate * L   # each tile's MLP forward again
+        flops += 2 * 3 * h * model.active_intermediate * L  # each tile's MLP forward again
     if mode.sequence_parallel or o.loss_chunk:
-        flops += 2 * model.vocab * h                 # output layer forward again (train.py checkpoints each loss chunk)
+        flops += 2 * model.vocab * h  # output layer forward again (train.py checkpoints each loss chunk)
     t_compute = s * flops / (device.tflops * 1e12 * EFFICIENCY)
 
-    def bw(group: int, stride: int = 1) -> float:    # a group of `group` ranks `stride` apart
+    def bw(group: int, stride: int = 1) -> float:  # a group of `group` ranks `stride` apart
         return (device.link_gbs if group * stride <= device.per_node else device.network_gbs) * 1e9
 
-    passes = 3 if o.checkpointing else 2             # forward, (recompute,) backward
+    passes = 3 if o.checkpointing else 2  # forward, (recompute,) backward
     traffic = mode.traffic(attention_shape(model, o, a, seq))
     forwards = 2 if o.checkpointing and not mode.keeps_attention_output else 1
     t_ring = t_a2a = 0.0
@@ -52,7 +52,7 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
         t_zero = max(t_zero, passes * 2 * N / gpus / (device.pcie_gbs * 1e9))
     if o.zero in ("zero3-opt-offload", "zero3-offload"):
         t_optim = N / gpus / device.optimizer_params_per_s + 2 * 2 * N / gpus / (device.pcie_gbs * 1e9)
-    if o.checkpointing and o.offload_checkpoints:    # on the compute stream (transformers): not overlapped
+    if o.checkpointing and o.offload_checkpoints:  # on the compute stream (transformers): not overlapped
         t_offload = 2 * L * a * h * s / (device.pcie_gbs * 1e9)
     bound = {"compute": t_compute, "ring P2P": t_ring, "ZeRO-3 gathers": t_zero}
     overlapped = max(bound.values())
@@ -60,8 +60,19 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
     dp = gpus // o.sp
     limiter = max(bound, key=bound.get)
     if t_a2a + t_offload + t_optim > overlapped:
-        limiter = max({"all-to-all": t_a2a, "checkpoint offload": t_offload, "CPU optimizer": t_optim}.items(),
-                      key=lambda kv_: kv_[1])[0]
-    return {"step_s": step, "tokens_per_s": seq * dp / step, "limiter": limiter, "flops_per_token": flops,
-            "t_compute": t_compute, "t_ring": t_ring, "t_a2a": t_a2a, "t_zero": t_zero, "t_offload": t_offload,
-            "t_optimizer": t_optim}
+        limiter = max(
+            {"all-to-all": t_a2a, "checkpoint offload": t_offload, "CPU optimizer": t_optim}.items(),
+            key=lambda kv_: kv_[1],
+        )[0]
+    return {
+        "step_s": step,
+        "tokens_per_s": seq * dp / step,
+        "limiter": limiter,
+        "flops_per_token": flops,
+        "t_compute": t_compute,
+        "t_ring": t_ring,
+        "t_a2a": t_a2a,
+        "t_zero": t_zero,
+        "t_offload": t_offload,
+        "t_optimizer": t_optim,
+    }

@@ -1,0 +1,68 @@
+"""Release 0.1's import paths keep working for one release: each old module name gives the new
+module itself (so a monkeypatch through either name is seen by both), with a DeprecationWarning
+that names the new path; the modes' old subpackages included, and `python -m easy_context.plan`."""
+
+import importlib
+import importlib.util
+import sys
+import warnings
+
+import pytest
+
+from easy_context.old_paths import MOVED, OldPaths
+
+# Names that were public in release 0.1, per old module: each must still be reachable there.
+OLD_NAMES = {
+    "api": ["apply_seq_parallel_monkey_patch", "prepare_seq_parallel_inputs", "gather_seq_parallel_outputs"],
+    "kernels": ["attention_forward", "attention_backward", "select_backend", "available_backends"],
+    "ring": ["ring_attention", "merge_block"],
+    "masking": ["SequenceMask"],
+    "layout": ["Layout"],
+    "process_groups": ["get_groups", "Topology", "register_exit_teardown"],
+    "zigzag_ring_attn": ["MODE", "zigzag_ring_attention"],
+    "dist_flash_attn": ["MODE", "dist_flash_attention"],
+    "dist_flash_attn.schedule": ["balanced_schedule"],
+    "ulysses_attn": ["MODE", "ulysses_attention"],
+    "usp_attn": ["MODE"],
+    "data_parallel": ["MODE"],
+    "generation": ["generate", "ShardedKVCache"],
+    "trainer": ["prepare_trainer"],
+    "replicas": ["check_replicas"],
+    "architectures": ["SUPPORTED_MODEL_TYPES"],
+    "launch": ["make_accelerator", "run_main"],
+    "data": ["byte_tokenizer", "open_rows"],
+    "plan": ["main"],
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_path_is_the_new_module_with_a_warning(old):
+    new = importlib.import_module(f"easy_context.{MOVED[old]}")
+    sys.modules.pop(f"easy_context.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(f"easy_context.{old}")
+    assert module is new
+    assert module.__name__ == new.__name__ and module.__spec__.name == new.__name__
+    assert any(issubclass(w.category, DeprecationWarning) and MOVED[old] in str(w.message) for w in caught)
+    for name in OLD_NAMES.get(old, []):
+        assert hasattr(module, name), (old, name)
+
+
+def test_every_old_name_with_public_names_is_listed():
+    assert set(OLD_NAMES) <= set(MOVED)
+
+
+def test_names_that_stayed_are_the_packages_themselves():
+    from easy_context import hf, modes
+
+    assert hf.active_patch is hf.active and hf.ActivePatch is hf.SequenceParallel
+    assert callable(hf.install) and callable(hf.uninstall) and hf.world_size() == 1
+    assert modes.get_mode("zigzag_ring_attn").name == "zigzag_ring_attn"
+
+
+def test_python_m_old_planner_path_runs_the_new_package():
+    # runpy runs a package's __main__: the alias must say "package" and the new one must have it
+    spec = OldPaths().find_spec("easy_context.plan")
+    assert spec is not None and spec.submodule_search_locations is not None
+    assert importlib.util.find_spec("easy_context.programs.plan.__main__") is not None
