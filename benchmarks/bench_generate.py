@@ -71,17 +71,6 @@ class _Timed:
             self.seconds += time.perf_counter() - start
 
 
-class _DistWith:
-    """torch.distributed with a timed all_gather (decoding's only collective; the two small
-    checks of generate's start and end are counted in it too)."""
-
-    def __init__(self, all_gather):
-        self.all_gather = all_gather
-
-    def __getattr__(self, name):
-        return getattr(dist, name)
-
-
 class _Reset:
     """The baseline's streamer: at the first new token, zero the counters (what ran before
     was its prefill) and note the time."""
@@ -121,6 +110,7 @@ def _worker(rank, world, spec, workdir):
     from transformers import AttentionInterface, DynamicCache
 
     import easy_context as ec
+    from easy_context.core import collectives
     from easy_context.hf import generation
     from easy_context.versions import output_cache
 
@@ -136,8 +126,9 @@ def _worker(rank, world, spec, workdir):
     )
     mode = spec["mode"]
     gather_us = _idle_gather_us(world)
-    gather = _Timed(dist.all_gather)
-    generation.dist = _DistWith(gather)
+    # decoding's only collective, and the two small checks of generate's start and end
+    gather = _Timed(collectives.all_gather)
+    collectives.all_gather = gather
     cache_class = generation.ShardedKVCache if mode is not None else DynamicCache
     cache_update = _Timed(cache_class.update)
     cache_class.update = lambda self, *args, **kwargs: cache_update(self, *args, **kwargs)
