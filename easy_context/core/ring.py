@@ -33,8 +33,9 @@ __all__ = [
     "RingRounds",
     "masked_ring_plan",
     "ring_attention",
+    # block math, in blocks.py since the executor; release 0.1 imported it from easy_context.ring
     "merge_block",
-    "fold_sinks",  # block math (blocks.py), also reachable here for the decoding cache
+    "fold_sinks",
 ]
 
 
