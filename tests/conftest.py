@@ -46,6 +46,7 @@ SLOW = {
     },
     "test_clean_exit": ALL,
     "test_deepspeed": ALL,
+    "test_dispatch_counts": ALL,
     "test_device_placement": {
         "test_every_collective_gets_tensors_made_on_the_data_device",
     },
@@ -170,6 +171,15 @@ def _restore(state: dict) -> None:
     torch.set_default_dtype(state["torch.get_default_dtype()"])
     torch.set_float32_matmul_precision(state["torch.get_float32_matmul_precision()"])
     torch.set_grad_enabled(state["torch.is_grad_enabled()"])
+
+
+@pytest.fixture(autouse=True)
+def _kernel_counter_off_after_each_test():
+    """Tests that count kernel calls start the counter; the library never does."""
+    yield
+    from easy_context.core.kernels import FORWARD_CALLS
+
+    FORWARD_CALLS.enabled = False
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from easy_context.core.masking import FULL_ROWS, Block
 
 __all__ = [
     "Kernels",
+    "rows_view",
     "merge_block",
     "forward_blocks",
     "backward_blocks",
@@ -41,21 +42,31 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     out.lerp_(block_out.to(out.dtype), weight)
 
 
+def rows_view(x: torch.Tensor, rows: slice, batch: slice = FULL_ROWS) -> torch.Tensor:
+    """x[batch, :, rows] for (B, H, S, ...) tensors; full slices are skipped (each would be a
+    dispatched op: launch-free, yet it counts in the per-layer op budget tests hold us to)."""
+    if batch != FULL_ROWS:
+        x = x[batch]
+    if not rows.start and (rows.stop is None or rows.stop >= x.shape[2]) and rows.step in (None, 1):
+        return x
+    return x[:, :, rows]
+
+
 def _part(x: torch.Tensor, block: Block, rows: slice) -> torch.Tensor:
-    return x[block.batch, :, rows]
+    return rows_view(x, rows, block.batch)
 
 
 class Kernels:
-    """The backends for one attention call (plain blocks and masked blocks) and the logit
+    """The backends for one attention call (plain blocks and window blocks) and the logit
     softcap every block applies (None: none)."""
 
     def __init__(self, q, masked: bool, softcap=None):
         self.softcap = softcap or None
         self.plain = select_backend(q, softcap=bool(softcap))
-        self.masked = select_backend(q, masked=True, softcap=bool(softcap)) if masked else None
+        self.windowed = select_backend(q, softcap=bool(softcap), window=True) if masked else None
 
     def __call__(self, block: Block):
-        return self.masked if block.mask is not None else self.plain
+        return self.plain if block.window is None else self.windowed
 
 
 def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, state=None):
@@ -71,8 +82,8 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
             block.causal,
             scale,
             kernels(block),
-            mask=block.mask,
             softcap=kernels.softcap,
+            window=block.window,
         )
         if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
             out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
@@ -81,7 +92,7 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
             out, lse = empty_state(q, acc)
         elif out.dtype != acc:  # the first merge: accumulate in fp32 from here on
             out, lse = out.to(acc), lse.to(acc)
-        merge_block(_part(out, block, block.q), lse[block.batch, :, block.q], block_out, block_lse)
+        merge_block(_part(out, block, block.q), _part(lse, block, block.q), block_out, block_lse)
     return (out, lse) if out is not None else None
 
 
@@ -147,12 +158,12 @@ def backward_blocks(
             _part(k, block, block.kv),
             _part(v, block, block.kv),
             _part(out, block, rows),
-            lse[block.batch, :, rows],
+            _part(lse, block, rows),
             block.causal,
             scale,
             kernels(block),
-            mask=block.mask,
             softcap=kernels.softcap,
+            window=block.window,
         )
         dq = _accumulate(dq, block, rows, block_dq, q, acc)
         dk = _accumulate(dk, block, block.kv, block_dk, k, acc)

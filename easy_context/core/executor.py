@@ -35,6 +35,7 @@ from easy_context.core.blocks import (
     finish_forward,
     forward_blocks,
     merge_block,
+    rows_view,
     safe_lse,
     sinks_grad,
 )
@@ -131,7 +132,7 @@ class _Run:
         self.plan, self.group, self.me, self.softcap = plan, group, me, softcap
 
     def rows(self, unit, x):
-        return x[:, :, self.plan.rows(unit)]
+        return rows_view(x, self.plan.rows(unit))
 
     def fetch(self, units, q_side, kv):
         """Transfers of the inputs the workers of `units` lack: q-side rows and K/V."""
@@ -174,7 +175,7 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
             if state is None or state[0].dtype != acc:
                 state = empty_state(q, acc) if state is None else (state[0].to(acc), state[1].to(acc))
             r = plan.rows(units[i])
-            merge_block(state[0][:, :, r], state[1][:, :, r], block_out, block_lse)
+            merge_block(rows_view(state[0], r), rows_view(state[1], r), block_out, block_lse)
 
     returning = None
     for units, fetched_q, fetched_kv in run.rounds([q], [k, v]):

@@ -29,6 +29,8 @@ __all__ = [
     "flash_attn_backward",
     "flash_attn_usable",
     "flash_attn_has_softcap",
+    "flash_attn_has_window",
+    "band_mask",
     "flash_attn_backward_options",
     "parameter_names",
 ]
@@ -51,6 +53,26 @@ def _additive_bias(mask: torch.Tensor, dtype: torch.dtype, key_align: int = 1) -
     return storage[..., :sk].masked_fill_(~mask, -_INF)
 
 
+@functools.lru_cache(maxsize=32)
+def band_mask(sq: int, sk: int, window: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """A window (left, right), masking.Block's convention, as a bool (1, 1, Sq, Sk) mask. It
+    depends on the block's shape only (plans cut the same few band shapes for every shard pair
+    and layer), so backends without a native window reuse a handful: none is built per call."""
+    left, right = window
+    offset = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= offset >= -left
+    if right >= 0:
+        allowed &= offset <= right
+    return allowed[None, None]
+
+
+@functools.lru_cache(maxsize=32)
+def _band_bias(sq: int, sk: int, window: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _additive_bias(band_mask(sq, sk, window, device), dtype)
+
+
 def _clear_empty_rows(out, lse, mask, clear_out: bool = True):
     """The contract for rows with no allowed key: out 0, lse -inf, whatever the kernel gave."""
     empty = _empty_rows(mask)
@@ -68,8 +90,9 @@ def _backward_lse(lse: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- math
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half types, else the input's own (fp64 stays fp64 for exactness checks)."""
-    return torch.promote_types(dtype, torch.float32)
+    """fp32 for half types, else the input's own (fp64 stays fp64 for exactness checks).
+    Plain Python: torch.promote_types is a dispatched op, and this runs for every block."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # Logits the math backend holds at once (fp32: 8 MiB per temporary); longer blocks run in tiles of
@@ -152,7 +175,25 @@ def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=Non
 # ---------------------------------------------------------------------- cpu_flash
 # The CPU op takes K/V with fewer heads, strided (B, H, S, D) views and a broadcastable additive
 # float mask as they are, in both directions (pinned by tests): nothing is copied here.
-def cpu_flash_forward(q, k, v, causal, scale, mask=None):
+def _window_as_mask(q, k, mask, window):
+    """A window the bias cache cannot serve (with a mask, or more queries than keys, where rows
+    may be empty) folded into the mask; None: serve it from the cache."""
+    if window is None or (mask is None and q.shape[2] <= k.shape[2]):
+        return mask
+    band = band_mask(q.shape[2], k.shape[2], window, q.device)
+    return band if mask is None else mask & band
+
+
+# A window with Sq <= Sk leaves no row empty: the cached bias is all the kernel needs (CPU's
+# band path: one kernel call per band, no bias built per call).
+def cpu_flash_forward(q, k, v, causal, scale, mask=None, window=None):
+    mask = _window_as_mask(q, k, mask, window)
+    if mask is None and window is not None:
+        bias = _band_bias(q.shape[2], k.shape[2], window, q.dtype, q.device)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )
+        return out, lse.to(accumulation_dtype(q.dtype))
     bias = None if mask is None else _additive_bias(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=bias, scale=scale
@@ -163,8 +204,11 @@ def cpu_flash_forward(q, k, v, causal, scale, mask=None):
     return out, lse
 
 
-def cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+def cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
+    mask = _window_as_mask(q, k, mask, window)
     bias = None
+    if mask is None and window is not None:
+        bias = _band_bias(q.shape[2], k.shape[2], window, q.dtype, q.device)
     if mask is not None:
         bias, lse = _additive_bias(mask, q.dtype), _backward_lse(lse)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -176,9 +220,22 @@ def cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
 # The op takes K/V with fewer heads (GQA) and strided (B, H, S, D) views; it makes dout and out
 # contiguous itself, in the (B, S, H, D) layout its kernel wants (a .contiguous() here would
 # produce the (B, H, S, D) layout and a second copy).
-def cuda_flash_forward(q, k, v, causal, scale):
+def cuda_flash_forward(q, k, v, causal, scale, window=None):
+    if window is not None:
+        return _cuda_flash_window_forward(q, k, v, scale, window)
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return res[0], res[1]
+
+
+# A window needs the op under SDPA's, which takes window_size_left/right (bottom-right aligned, as
+# masking.Block's windows are) and wants (B, S, H, D): HF's q/k/v are transposes of exactly that.
+def _cuda_flash_window_forward(q, k, v, scale, window):
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        t(q), t(k), t(v), None, None, q.shape[2], k.shape[2], 0.0, False, False,
+        scale=scale, window_size_left=window[0], window_size_right=window[1],
+    )  # fmt: skip
+    return t(out), lse
 
 
 def _flash_rng_placeholders(device: torch.device):
@@ -190,8 +247,15 @@ def _flash_rng_placeholders(device: torch.device):
     return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
 
 
-def cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
+def cuda_flash_backward(dout, q, k, v, out, lse, causal, scale, window=None):
     seed, offset = _flash_rng_placeholders(q.device)
+    if window is not None:
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            t(dout), t(q), t(k), t(v), t(out), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, False,
+            seed, offset, scale=scale, window_size_left=window[0], window_size_right=window[1],
+        )  # fmt: skip
+        return t(dq), t(dk), t(dv)
     # cum_seq_q/k None (undefined), as the forward returns them: a defined tensor sends the kernel
     # down its variable-length path, which wants int32 cu_seqlens of B + 1 entries.
     # lse is made contiguous because the kernel indexes it as a dense (B, H, Sq) array.
@@ -314,6 +378,14 @@ def flash_attn_has_softcap() -> bool:
 
 
 @functools.cache
+def flash_attn_has_window() -> bool:
+    """flash_attn >= 2.3 takes a sliding window in both directions."""
+    fa = _flash_attn_module()
+    backward = parameter_names(fa._flash_attn_backward)
+    return "window_size" in parameter_names(fa.flash_attn_func) and bool({"window_size", "window_size_left"} & backward)
+
+
+@functools.cache
 def parameter_names(fn) -> frozenset:
     """Names `fn` takes. flash_attn >= 2.7 declares its private ops with torch.library.custom_op,
     whose Python signature is (*args, **kwargs): the op's schema has the real names."""
@@ -339,10 +411,12 @@ def flash_attn_backward_options(fn) -> tuple:
     return tuple(options.items())
 
 
-def flash_attn_forward(q, k, v, causal, scale, softcap=None):
+def flash_attn_forward(q, k, v, causal, scale, softcap=None, window=None):
     fa = _flash_attn_module()
     # flash_attn wants (B, S, H, D); HF's q/k/v are transposes of exactly that layout (no copy).
     capped = {"softcap": softcap} if softcap else {}  # releases before 2.6 have no softcap
+    if window is not None:  # flash_attn's own convention (bottom-right aligned), since 2.3
+        capped["window_size"] = tuple(window)
     out, lse, *_ = fa.flash_attn_func(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -355,7 +429,7 @@ def flash_attn_forward(q, k, v, causal, scale, softcap=None):
     return out.transpose(1, 2), lse.float()
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
+def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None, window=None):
     fa = _flash_attn_module()
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     dq, dk, dv = torch.empty_like(t(q)), torch.empty_like(t(k)), torch.empty_like(t(v))
@@ -364,6 +438,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=None):
     options = dict(flash_attn_backward_options(fa._flash_attn_backward))
     if softcap:
         options["softcap"] = softcap
+    if window is not None and "window_size" in options:
+        options["window_size"] = tuple(window)
+    elif window is not None:
+        options.update(window_size_left=window[0], window_size_right=window[1])
     fa._flash_attn_backward(
         t(dout),
         t(q),

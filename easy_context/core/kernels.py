@@ -48,6 +48,7 @@ import torch
 from easy_context.core.kernel_backends import (
     HALF,
     accumulation_dtype,
+    band_mask,
     cpu_flash_backward,
     cpu_flash_forward,
     cuda_efficient_backward,
@@ -57,6 +58,7 @@ from easy_context.core.kernel_backends import (
     flash_attn_backward,
     flash_attn_forward,
     flash_attn_has_softcap,
+    flash_attn_has_window,
     flash_attn_usable,
     math_backward,
     math_forward,
@@ -71,6 +73,7 @@ __all__ = [
     "Backend",
     "BACKENDS",
     "FORWARD_CALLS",
+    "band_mask",
 ]
 
 
@@ -80,6 +83,7 @@ class Backend(NamedTuple):
     backward: Callable  # (dout, q, k, v, out, lse, causal, scale[, mask][, softcap=c]) -> (dq, dk, dv)
     supports_mask: bool = False  # forward/backward take a (B or 1, 1, Sq, Sk) bool mask last
     supports_softcap: bool = False  # forward/backward take softcap=c (logits c * tanh(s / c))
+    supports_window: bool = False  # forward/backward take window=(left, right) (see masking.Block)
 
 
 class _ForwardCounter:
@@ -88,12 +92,18 @@ class _ForwardCounter:
     mask's batch rows and divided by their number, rounded, so batch and heads never count);
     tests use it to prove what was recomputed and how work is spread.
 
-    A masked count is a reduction on the mask's device, added up lazily: reading `products`
-    is the only host sync. `enabled = False` skips counting altogether."""
+    Off unless a test turns it on with `start()` (counting a masked block is a reduction on
+    the mask's device: kernel launches nobody else wants). A masked count is added up lazily:
+    reading `products` is the only host sync."""
 
     def __init__(self) -> None:
-        self.enabled = True
+        self.enabled = False
         self.reset()
+
+    def start(self) -> None:
+        """Count from zero, from now on."""
+        self.reset()
+        self.enabled = True
 
     def reset(self) -> None:
         self.calls = 0
@@ -110,13 +120,18 @@ class _ForwardCounter:
             self._products += int(self._masked_products)
             self._masked_products = None
 
-    def add(self, q_len: int, k_len: int, causal: bool, mask: torch.Tensor | None = None) -> None:
+    def add(self, q_len: int, k_len: int, causal: bool, mask: torch.Tensor | None = None, window=None) -> None:
         if not self.enabled:
             return
         self.calls += 1
+        if mask is None and window is not None:
+            self._products += _window_pairs(q_len, k_len, *window)
+            return
         if mask is None:
             self._products += q_len * (q_len + 1) // 2 if causal else q_len * k_len
             return
+        if window is not None:
+            mask = mask & band_mask(q_len, k_len, window, mask.device)
         rows = mask.shape[0]
         allowed = (mask.sum() * 2 + rows) // (2 * rows)  # mean over batch rows, rounded half up
         if self._masked_products is not None and self._masked_products.device != allowed.device:
@@ -125,6 +140,16 @@ class _ForwardCounter:
 
 
 FORWARD_CALLS = _ForwardCounter()
+
+
+def _window_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    """Allowed (query, key) pairs of a window block (masking.Block's convention)."""
+    total = 0
+    for r in range(sq):
+        first = max(0, r + sk - sq - left) if left >= 0 else 0
+        last = min(sk - 1, r + sk - sq + right) if right >= 0 else sk - 1
+        total += max(0, last - first + 1)
+    return total
 
 
 # -------------------------------------------------------------------------- masks
@@ -146,18 +171,24 @@ def _checked_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: 
 # ---------------------------------------------------------------------- selection
 BACKENDS = {
     "math": Backend("math", math_forward, math_backward, supports_mask=True, supports_softcap=True),
-    "cpu_flash": Backend("cpu_flash", cpu_flash_forward, cpu_flash_backward, supports_mask=True),
-    "cuda_flash": Backend("cuda_flash", cuda_flash_forward, cuda_flash_backward),
+    "cpu_flash": Backend("cpu_flash", cpu_flash_forward, cpu_flash_backward, supports_mask=True, supports_window=True),
+    "cuda_flash": Backend("cuda_flash", cuda_flash_forward, cuda_flash_backward, supports_window=True),
     "cuda_efficient": Backend("cuda_efficient", cuda_efficient_forward, cuda_efficient_backward, supports_mask=True),
-    "flash_attn": Backend("flash_attn", flash_attn_forward, flash_attn_backward, supports_softcap=True),
+    "flash_attn": Backend(
+        "flash_attn", flash_attn_forward, flash_attn_backward, supports_softcap=True, supports_window=True
+    ),
 }
 
 
-def _has(name: str, masked: bool, softcap: bool) -> bool:
+def _has(name: str, masked: bool, softcap: bool, window: bool = False) -> bool:
+    """Whether backend `name` can run a call with a mask / softcap / window; a window is also
+    served by a backend that takes a mask (the band, written as one)."""
     backend = BACKENDS[name]
     if softcap and name == "flash_attn" and not flash_attn_has_softcap():
         return False
-    return (backend.supports_mask or not masked) and (backend.supports_softcap or not softcap)
+    native_window = backend.supports_window and (name != "flash_attn" or not window or flash_attn_has_window())
+    window_ok = native_window or backend.supports_mask or not window
+    return (backend.supports_mask or not masked) and (backend.supports_softcap or not softcap) and window_ok
 
 
 def _flash_fits(head_dim, capability) -> bool:
@@ -213,9 +244,10 @@ def _usable_backends(device_type: str, device_index: int | None, dtype: torch.dt
     return tuple(available_backends(device_type, dtype, head_dim, capability))
 
 
-def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False) -> Backend:
+def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False, window: bool = False) -> Backend:
     """The backend for attention on tensors like `q`; masked=True: the best that takes a mask;
-    softcap=True: the best that softcaps logits."""
+    softcap=True: the best that softcaps logits; window=True: the best that runs a window
+    (natively, or as a mask)."""
     choices = _usable_backends(q.device.type, q.device.index, q.dtype, q.shape[-1])
     forced = os.environ.get("EASY_CONTEXT_KERNEL")  # read per call: tests set it
     if forced:
@@ -224,13 +256,17 @@ def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False)
                 f"EASY_CONTEXT_KERNEL={forced!r} cannot run {q.dtype} (head dim {q.shape[-1]}) on "
                 f"{q.device}; usable here: {list(choices)}"
             )
-        if _has(forced, masked, softcap):
+        if _has(forced, masked, softcap, window):
             return BACKENDS[forced]
-    return BACKENDS[next(n for n in choices if _has(n, masked, softcap))]
+    return BACKENDS[next(n for n in choices if _has(n, masked, softcap, window))]
 
 
-def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, softcap) -> Backend:
-    backend = backend or select_backend(q, masked=masked, softcap=bool(softcap))
+def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, softcap, window=False) -> Backend:
+    backend = backend or select_backend(q, masked=masked, softcap=bool(softcap), window=window)
+    if window and not (backend.supports_window or backend.supports_mask):
+        raise ValueError(
+            f"backend {backend.name!r} can take neither a window nor a mask; use select_backend(q, window=True)"
+        )
     if masked and not backend.supports_mask:
         raise ValueError(f"backend {backend.name!r} cannot take a mask; use select_backend(q, masked=True)")
     if softcap and not _has(backend.name, masked, True):
@@ -238,31 +274,65 @@ def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, sof
     return backend
 
 
-def _extra(mask, softcap) -> tuple[tuple, dict]:
-    """The optional trailing arguments of a backend call: (mask,) and softcap=c when given."""
-    return ((mask,) if mask is not None else ()), ({"softcap": softcap} if softcap else {})
+def _checked_window(window, causal) -> tuple[int, int] | None:
+    """window as (left, right) ints, or None when it limits nothing."""
+    if window is None or tuple(window) == (-1, -1):
+        return None
+    left, right = window
+    if causal or min(left, right) < -1:
+        raise ValueError(f"window must be (left, right) with each >= -1 (-1: no limit) and causal=False, got {window}")
+    return int(left), int(right)
 
 
-def attention_forward(q, k, v, causal: bool, scale: float, backend: Backend | None = None, mask=None, softcap=None):
+def _extra(backend: Backend, q, k, mask, softcap, window) -> tuple[tuple, dict]:
+    """The optional trailing arguments of a backend call: (mask,), softcap=c and window=(l, r)
+    when given; a window goes to a backend without a native one as (part of) its mask."""
+    kwargs = {"softcap": softcap} if softcap else {}
+    if window is not None and backend.supports_window:  # _has checked this release has it
+        kwargs["window"] = window
+    elif window is not None:
+        band = band_mask(q.shape[2], k.shape[2], window, q.device)
+        mask = band if mask is None else mask & band
+    return ((mask,) if mask is not None else ()), kwargs
+
+
+def attention_forward(
+    q, k, v, causal: bool, scale: float, backend: Backend | None = None, mask=None, softcap=None, window=None
+):
     """One attention block. Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) in
-    accumulation_dtype(q.dtype). `mask`, `softcap`: see the module docstring."""
+    accumulation_dtype(q.dtype). `mask`, `softcap`: see the module docstring; `window` (left,
+    right): masking.Block's convention."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square, got Sq={q.shape[2]} Sk={k.shape[2]}")
     if mask is not None:
         mask = _checked_mask(mask, q, k, causal)
-    backend = _checked_backend(backend, q, mask is not None, softcap)
-    FORWARD_CALLS.add(q.shape[2], k.shape[2], causal, mask)
-    args, kwargs = _extra(mask, softcap)
+    window = _checked_window(window, causal)
+    backend = _checked_backend(backend, q, mask is not None, softcap, window is not None)
+    if FORWARD_CALLS.enabled:
+        FORWARD_CALLS.add(q.shape[2], k.shape[2], causal, mask, window)
+    args, kwargs = _extra(backend, q, k, mask, softcap, window)
     return backend.forward(q, k, v, causal, scale, *args, **kwargs)
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, causal: bool, scale: float, backend: Backend | None = None, mask=None, softcap=None
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal: bool,
+    scale: float,
+    backend: Backend | None = None,
+    mask=None,
+    softcap=None,
+    window=None,
 ):
     """Gradients of one block given the global out/lse of the rows it covers (and the same
-    mask and softcap as its forward)."""
+    mask, softcap and window as its forward)."""
     if mask is not None:
         mask = _checked_mask(mask, q, k, causal)
-    backend = _checked_backend(backend, q, mask is not None, softcap)
-    args, kwargs = _extra(mask, softcap)
+    window = _checked_window(window, causal)
+    backend = _checked_backend(backend, q, mask is not None, softcap, window is not None)
+    args, kwargs = _extra(backend, q, k, mask, softcap, window)
     return backend.backward(dout, q, k, v, out, lse, causal, scale, *args, **kwargs)

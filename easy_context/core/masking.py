@@ -11,14 +11,17 @@ the row, so the same description serves every rank and every mode; the window is
 per-layer part (`with_window`).
 
 `plan_blocks` turns the rule into kernel calls for one (local query rows x local key rows)
-pair of any layout: rows are grouped into runs whose allowed keys form a full rectangle or
-a rectangle plus a causal square (unmasked kernel calls, nothing wasted); rows whose key
-range moves with every row (sliding windows) go into masked tiles of at most TILE rows.
-Pairs with no allowed key are never computed.
+pair of any layout: rows are grouped into runs whose first and last allowed keys each stay
+or move by one per row, and each run is one kernel call: a full rectangle, a rectangle plus
+a causal square, or a window (a sliding band; kernels with a native window run it as such,
+the others with a mask that depends only on the block's shape). Nothing wasted, no per-row
+work: the runs come from one vectorized pass, so a plan costs the same few host operations
+at any length. Pairs with no allowed key are never computed.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,20 +30,22 @@ import torch
 __all__ = ["Block", "SequenceMask", "plan_blocks", "FULL_ROWS"]
 
 FULL_ROWS = slice(None)
-TILE = 256  # rows per masked tile: mask memory and wasted pairs stay small
-SHORT_RUN = 32  # runs shorter than this are not worth a kernel call of their own
 
 
 class Block(NamedTuple):
     """One kernel call: local query rows `q` (of batch rows `batch`) attend to rows `kv` of the
-    K/V block in hand, causally (top-left aligned square), fully, or through `mask`
-    (bool (1, 1, len q, len kv), True = allowed)."""
+    K/V block in hand, causally (top-left aligned square), fully, or in a `window`.
+
+    window (left, right), flash-attention's convention (bottom-right aligned): query row r of
+    n may attend key column c of m iff r + m - n - left <= c <= r + m - n + right, -1 for no
+    limit on that side. A sliding band is (m - n, 0), the start of a band cut off by the
+    block's first key (m - n, -1)."""
 
     q: slice
     kv: slice
     causal: bool
     batch: slice = FULL_ROWS
-    mask: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
 
 
 @dataclass(eq=False)
@@ -95,11 +100,11 @@ class SequenceMask:
             self._plans[key] = build()
         return self._plans[key]
 
-    def blocks(self, key, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:
+    def blocks(self, key, q_index: torch.Tensor, k_index: torch.Tensor, device=None) -> list[Block]:
         """Kernel calls for local queries at global positions q_index x keys at k_index (both
         increasing). `key` (hashable) names the pair for the caller: every layer of a forward
         and its backward reuse the plan."""
-        return self.memo((key, str(device)), lambda: plan_blocks(self, q_index, k_index, device))
+        return self.memo(key, lambda: plan_blocks(self, q_index, k_index))
 
     def pairs_per_query(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """(n,) allowed keys of each local query row, summed over the batch rows. Indices: (n,)
@@ -147,68 +152,86 @@ def _by_row(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor):
         yield slice(b, b + 1), first_key_q[b : b + 1], q_index, k_index, 1
 
 
-def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor, device) -> list[Block]:
+def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor) -> list[Block]:
     blocks = []
     for batch, first_key_q, q, k, _ in _by_row(mask, q_index, k_index):
         lo, hi = (x[0] for x in _key_ranges(first_key_q, q, k, mask.window))
-        blocks += _row_blocks(lo, hi, batch, device)
+        blocks += _row_blocks(lo, hi, batch)
     return blocks
 
 
-def _runs(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int]]:
-    """Maximal runs of rows with one first key whose last key stays put (a rectangle) or
-    moves by one per row (a rectangle plus a causal square)."""
+def _runs(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(first row, end row, lo step, hi step) of the maximal runs of consecutive rows whose
+    first and last allowed keys each move by a constant 0 or 1 per row: a rectangle, a causal
+    edge, a sliding band, or a band's clipped start. Vectorized: the steps are classified in
+    one pass and handed to the host once; the loop below visits runs, not rows. Rows with
+    nothing to attend are left out."""
     n = lo.shape[0]
-    if n == 0:
-        return []
-    step = hi[1:] - hi[:-1]
-    empty = hi <= lo  # rows with nothing to attend (stored as [0, 0)) never share a run with others
-    breaks = (lo[1:] != lo[:-1]) | ((step != 0) & (step != 1)) | (empty[1:] != empty[:-1])
-    breaks[1:] |= step[1:] != step[:-1]
-    starts = [0] + (torch.nonzero(breaks).flatten() + 1).tolist()
-    return list(zip(starts, starts[1:] + [n]))
-
-
-def _row_blocks(lo, hi, batch, device) -> list[Block]:
-    blocks, pending = [], []  # pending: short runs waiting to be merged into a masked tile
-
-    def flush():
-        if pending:
-            a, b = pending[0][0], pending[-1][1]
-            blocks.extend(_masked_tiles(lo, hi, a, b, batch, device))
-            pending.clear()
-
-    for a, b in _runs(lo, hi):
-        first, last = int(lo[a]), int(hi[a])
-        if last <= first:  # rows with nothing to attend here
+    live = (hi > lo).tolist()
+    if n < 2:
+        return [(0, 1, 0, 0)] if n and live[0] else []
+    d_lo, d_hi = lo[1:] - lo[:-1], hi[1:] - hi[:-1]
+    # step i joins rows i and i + 1; its kind is 2 * lo step + hi step, or -1 (a jump)
+    kind = torch.where((d_lo >= 0) & (d_lo <= 1) & (d_hi >= 0) & (d_hi <= 1), d_lo * 2 + d_hi, -1)
+    # steps changes[j] .. changes[j + 1] - 1 share a kind (a step into or out of an empty row
+    # is always a jump: empty rows hold keys [0, 0), so no run reaches one)
+    changes = (torch.nonzero(kind[1:] != kind[:-1]).flatten() + 1).tolist() + [n - 1]
+    kinds = kind.tolist()
+    runs, row = [], 0
+    while row < n:
+        if not live[row]:
+            row += 1
             continue
-        if b - a < SHORT_RUN and (b - a == 1 or int(hi[a + 1]) != last):
-            pending.append((a, b))
-            if pending[-1][1] - pending[0][0] >= TILE:
-                flush()
+        step = kinds[row] if row < n - 1 and live[row + 1] else -1
+        if step < 0:
+            runs.append((row, row + 1, 0, 0))
+            row += 1
             continue
-        flush()
-        if b - a == 1 or int(hi[a + 1]) == last:  # every row sees keys [first, last)
-            blocks.append(Block(slice(a, b), slice(first, last), False, batch))
-            continue
-        diagonal = last - 1  # row a sees keys [first, diagonal], row a + n sees up to diagonal + n
-        if first < diagonal:
-            blocks.append(Block(slice(a, b), slice(first, diagonal), False, batch))
-        blocks.append(Block(slice(a, b), slice(diagonal, diagonal + b - a), True, batch))
-    flush()
+        last = changes[bisect.bisect_right(changes, row)]  # steps row .. last - 1 join rows row .. last
+        runs.append((row, last + 1, step >> 1, step & 1))
+        row = last + 1
+    return runs
+
+
+def _windows(runs, los: list, his: list) -> list[tuple[int, int]]:
+    """Consecutive runs joined into the longest row ranges one window block describes: first
+    keys that stay, then move by one per row (a window's left edge, clipped by the block's
+    first key), and last keys that move by one, then stay (its right edge, clipped by the
+    block's last key). Visits runs, not rows."""
+    groups = []  # [first row, end row, left edge moving, right edge stopped]
+    for a, b, d_lo, d_hi in runs:
+        if groups and groups[-1][1] == a:
+            group = groups[-1]
+            lo_steps = [los[a] - los[a - 1]] + [d_lo] * (b - a - 1)
+            hi_steps = [his[a] - his[a - 1]] + [d_hi] * (b - a - 1)
+            moving, stopped = group[2], group[3]
+            fits = True
+            for lo_step, hi_step in zip(lo_steps[:2], hi_steps[:2]):  # the rest repeat the second
+                if lo_step not in (0, 1) or hi_step not in (0, 1) or (moving and not lo_step) or (stopped and hi_step):
+                    fits = False
+                    break
+                moving, stopped = moving or lo_step == 1, stopped or hi_step == 0
+            if fits:
+                group[1:] = [b, moving, stopped]
+                continue
+        groups.append([a, b, d_lo == 1 and b - a > 1, d_hi == 0 and b - a > 1])
+    return [(a, b) for a, b, _, _ in groups]
+
+
+def _row_blocks(lo, hi, batch) -> list[Block]:
+    blocks = []
+    los, his = lo.tolist(), hi.tolist()
+    for a, b in _windows(_runs(lo, hi), los, his):
+        k0, k1, n = los[a], his[b - 1], b - a
+        m = k1 - k0
+        left = m - 1 - (los[b - 1] - k0) if los[b - 1] != k0 else -1
+        right = his[a] - 1 - k0 - (m - n) if his[a] != k1 else -1
+        if (left, right) == (-1, -1):  # every row sees keys [k0, k1)
+            blocks.append(Block(slice(a, b), slice(k0, k1), False, batch))
+        elif (left, right) == (-1, 0):  # a causal edge: a rectangle, then a causal square (no window)
+            if m > n:
+                blocks.append(Block(slice(a, b), slice(k0, k1 - n), False, batch))
+            blocks.append(Block(slice(a, b), slice(k1 - n, k1), True, batch))
+        else:  # a window, bottom-right aligned
+            blocks.append(Block(slice(a, b), slice(k0, k1), False, batch, window=(left, right)))
     return blocks
-
-
-def _masked_tiles(lo, hi, a, b, batch, device) -> list[Block]:
-    tiles = []
-    for start in range(a, b, TILE):
-        stop = min(start + TILE, b)
-        tile_lo, tile_hi = lo[start:stop], hi[start:stop]
-        live = tile_hi > tile_lo
-        if not bool(live.any()):
-            continue
-        k0, k1 = int(tile_lo[live].min()), int(tile_hi[live].max())
-        keys = torch.arange(k0, k1)
-        allowed = (keys >= tile_lo[:, None]) & (keys < tile_hi[:, None])
-        tiles.append(Block(slice(start, stop), slice(k0, k1), False, batch, allowed[None, None].to(device)))
-    return tiles

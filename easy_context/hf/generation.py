@@ -27,6 +27,7 @@ described per cache slot (its sequence index and validity), the same rule as mas
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -121,6 +122,12 @@ class ShardedKVCache(Cache):
         self._step_kept = None  # positions among the step's new tokens that this rank keeps
         self._pending = None  # the layer updated last, whose attention comes next
         self._masks: dict = {}  # (window, first slot) -> the step's mask or None (all allowed)
+        # Host-side mirrors, so decoding decides what to mask and drop without reading the device:
+        self.positions: list[int] = []  # self.index as a Python list
+        self.all_valid = True  # no slot is padding in any batch row
+        self._kept: dict = {}  # (kept positions among a step's tokens, device) -> their index tensor
+        self._checked_at = -1  # the length at the last cross-rank query check
+        self._diverged = None  # that check's verdict (a bool tensor), read one step later
 
     # ------------------------------------------------------------ filling
     def start_prefill(self, index: torch.Tensor, valid: torch.Tensor, length: int) -> None:
@@ -131,6 +138,7 @@ class ShardedKVCache(Cache):
         real = index >= 0
         self._prefill = (index.shape[0], None if bool(real.all()) else torch.nonzero(real).flatten(), length)
         self.index, self.valid = index[real], valid[:, real]
+        self.positions, self.all_valid = self.index.tolist(), bool(self.valid.all())  # once per prompt
 
     def finish_prefill(self, batch: int, device) -> None:
         """From here on update appends decoding steps' tokens; the cache holds the prefill's."""
@@ -159,7 +167,7 @@ class ShardedKVCache(Cache):
         layer.updated_at = self.length
         if layer.window is not None:  # slots no query from this step on can reach
             oldest_query = self.length - key_states.shape[-2]
-            layer.first = max(layer.first, int(torch.searchsorted(self.index, oldest_query - layer.window + 1)))
+            layer.first = max(layer.first, bisect.bisect_left(self.positions, oldest_query - layer.window + 1))
         self._pending = layer_idx
         return layer.append(key_states[..., self._step_kept, :], value_states[..., self._step_kept, :])
 
@@ -172,9 +180,12 @@ class ShardedKVCache(Cache):
         self.batch_repeat_interleave(repeats)
 
     def _admit(self, new: int, batch: int, device) -> None:
-        indices = torch.arange(self.length, self.length + new, device=device)
-        self._step_kept = torch.nonzero(indices % self.size == self.rank).flatten()
-        self.index = torch.cat([self.index, indices[self._step_kept]])
+        kept = tuple(i for i in range(new) if (self.length + i) % self.size == self.rank)
+        if (kept, device) not in self._kept:  # a handful of patterns: no host-to-device copy per step
+            self._kept[kept, device] = torch.tensor(kept, dtype=torch.long, device=device)
+        self._step_kept = self._kept[kept, device]
+        self.index = torch.cat([self.index, self._step_kept + self.length])
+        self.positions += [self.length + i for i in kept]
         self.valid = torch.cat(
             [self.valid, torch.ones(batch, len(self._step_kept), dtype=torch.bool, device=device)], dim=1
         )
@@ -187,14 +198,26 @@ class ShardedKVCache(Cache):
         may attend (the masking.py rule: valid, not after the query, within the window); None
         when every one is allowed. Computed once per step, window and first slot."""
         key = (window, first)
+        if key not in self._masks and self._all_allowed(new, window, first):
+            self._masks[key] = None
         if key not in self._masks:
             index, valid = self.index[first:], self.valid[:, first:]
             queries = torch.arange(self.length - new, self.length, device=index.device)[:, None]
             allowed = valid[:, None, None, :] & (index <= queries)
             if window is not None:
                 allowed = allowed & (queries - index < window)
-            self._masks[key] = None if bool(allowed.all()) else allowed
+            self._masks[key] = allowed
         return self._masks[key]
+
+    def _all_allowed(self, new: int, window: int | None, first: int) -> bool:
+        """Whether every live slot from `first` on is valid, not after the step's first query and
+        within the window of its last one (from the host-side mirrors)."""
+        if not self.all_valid:
+            return False
+        if len(self.positions) <= first:
+            return True
+        oldest, newest = self.length - new, self.length - 1
+        return self.positions[-1] <= oldest and (window is None or newest - self.positions[first] < window)
 
     def attend(self, q, k, v, scale: float, layer_idx: int, window=None, softcap=None, sinks=None) -> torch.Tensor:
         """Exact attention of the step's queries q (B, Hq, n, D), the same on every rank, over
@@ -219,19 +242,32 @@ class ShardedKVCache(Cache):
             out, lse = attention_forward(q, k, v, False, scale, mask=mask, softcap=softcap)
         out, lse = out.to(acc), lse.to(acc)
         if self.group is not None:
-            # With the partial (out, lse) goes a checksum of the queries: ranks whose tokens
-            # diverged would otherwise keep decoding different sequences until one stops at
-            # EOS and its peers wait forever.
-            packed = torch.cat([out, lse.unsqueeze(-1), q.to(acc).sum(-1, keepdim=True)], dim=-1).contiguous()
-            pieces = collectives.all_gather(packed, self.group)
-            _check_same_queries([piece[..., -1] for piece in pieces])
-            out, lse = pieces[0][..., :-2].clone(), pieces[0][..., -2].clone()
+            # With the step's first partial (out, lse) goes a checksum of the queries: ranks
+            # whose tokens diverged would otherwise keep decoding different sequences until one
+            # stops at EOS and its peers wait forever. The verdict stays on the device and is
+            # read at the next step's check: one host sync per token, none per layer.
+            check = self._checked_at != self.length
+            columns = [out, lse.unsqueeze(-1)] + ([q.to(acc).sum(-1, keepdim=True)] if check else [])
+            pieces = collectives.all_gather(torch.cat(columns, dim=-1), self.group)
+            if check:
+                self._raise_if_diverged()
+                self._diverged, self._checked_at = _queries_differ([piece[..., -1] for piece in pieces]), self.length
+            d = out.shape[-1]  # the gathered buffers are ours: merge into the first one in place
+            out, lse = pieces[0][..., :d], pieces[0][..., d]
             for piece in pieces[1:]:  # rank order on every rank: bitwise equal results
-                merge_block(out, lse, piece[..., :-2], piece[..., -2])
+                merge_block(out, lse, piece[..., :d], piece[..., d])
         out, _ = fold_sinks(out, lse, sinks)
         return out.to(q.dtype)
 
     # ------------------------------------------ what transformers asks
+    def _raise_if_diverged(self) -> None:
+        differ = [] if self._diverged is None else self._diverged.tolist()  # the step's one host sync
+        if any(differ):
+            raise RuntimeError(
+                f"generate: rank {differ.index(True) + 1} of the sequence-parallel group decodes other tokens than "
+                "rank 0 (different inputs, weights or generate options on the ranks)"
+            )
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
@@ -268,16 +304,12 @@ class ShardedKVCache(Cache):
         self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))
 
 
-def _check_same_queries(checksums: list) -> None:
-    """The ranks decode the same tokens: their queries agree (every rank sees every checksum,
-    so every rank decides alike)."""
+def _queries_differ(checksums: list) -> torch.Tensor:
+    """(P - 1,) bool: whether rank r's query checksums differ from rank 0's (every rank sees
+    every checksum, so every rank decides alike)."""
     reference = checksums[0]
-    for rank, checksum in enumerate(checksums[1:], start=1):
-        if not torch.allclose(checksum, reference, rtol=1e-4, atol=1e-4):
-            raise RuntimeError(
-                f"generate: rank {rank} of the sequence-parallel group decodes other tokens than rank 0 "
-                "(different inputs, weights or generate options on the ranks)"
-            )
+    others = torch.stack(checksums[1:]).flatten(1)
+    return ((others - reference.flatten()).abs() > 1e-4 + 1e-4 * reference.flatten().abs()).any(1)
 
 
 def kv_bytes(cache) -> int:
@@ -342,6 +374,7 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.T
             **{cache_keyword(model): cache},
             **kwargs,
         )
+    cache._raise_if_diverged()  # the last step's verdict
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     _check_same_everywhere(context, sequences, None, False, what="generated tokens")
     return output

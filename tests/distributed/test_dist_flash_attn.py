@@ -34,7 +34,7 @@ def test_schedule_covers_every_causal_block_once_with_one_unit_per_rank_per_roun
 
 def _measured_products(rank, world_size):
     q = torch.randn(1, 2, 64, 16)
-    FORWARD_CALLS.reset()
+    FORWARD_CALLS.start()
     dist_flash_attention(q, q, q, 0.25, dist.group.WORLD)
     return FORWARD_CALLS.products
 
@@ -57,14 +57,14 @@ def _checkpointed_run(rank, world_size, mode, use_reentrant):
     enable_activation_checkpointing(model, use_reentrant=use_reentrant)
     input_ids, target_ids = tiny_batch(2, 120)
     local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
-    FORWARD_CALLS.reset()
+    FORWARD_CALLS.start()
     logits = model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"]).logits
     targets = local["local_target_ids"]
     forward_calls = FORWARD_CALLS.calls
     loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     stats = torch.stack([loss_sum.detach(), (targets != -100).sum().float()])
     dist.all_reduce(stats)
-    FORWARD_CALLS.reset()
+    FORWARD_CALLS.start()
     (loss_sum / stats[1]).backward()
     backward_calls = FORWARD_CALLS.calls
     grads = {}
@@ -156,7 +156,7 @@ def _nondeterministic_recompute_worker(rank, world_size):
         loss = F.cross_entropy(
             logits.flatten(0, 1), local["local_target_ids"].flatten(), ignore_index=-100, reduction="sum"
         )
-        FORWARD_CALLS.reset()
+        FORWARD_CALLS.start()
         loss.backward()
         return FORWARD_CALLS.calls, len(REMAT_CACHE)
     finally:

@@ -102,7 +102,7 @@ def test_prepare_dataloader_splits_batches_over_data_parallel_groups_only():
 
 
 def _runs_sequence_parallel(model, seq=32):
-    FORWARD_CALLS.reset()
+    FORWARD_CALLS.start()
     ids, _ = tiny_batch(1, seq)
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)

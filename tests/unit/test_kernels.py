@@ -207,7 +207,7 @@ def test_masked_forward_counts_allowed_pairs_per_batch_row():
     q, k, v, _ = inputs(4, 2, 24, 40, torch.float32)
     mask = make_mask("random", 24, 40)
     counter = kernels.FORWARD_CALLS
-    counter.reset()
+    counter.start()
     kernels.attention_forward(q, k, v, False, 0.3, mask=mask)
     kernels.attention_forward(q, k, v, False, 0.3, mask=mask[:1])  # one plane for both rows
     kernels.attention_forward(q, k, v, False, 0.3)
@@ -215,12 +215,17 @@ def test_masked_forward_counts_allowed_pairs_per_batch_row():
     assert counter.calls == 3
     assert counter.products == (first + second + 1) // 2 + first + 24 * 40
     counter.enabled = False
-    try:
-        kernels.attention_forward(q, k, v, False, 0.3, mask=mask)
-        assert counter.calls == 3
-    finally:
-        counter.enabled = True
-        counter.reset()
+    kernels.attention_forward(q, k, v, False, 0.3, mask=mask)
+    assert counter.calls == 3
+    counter.reset()
+
+
+def test_counters_are_off_unless_started():
+    q, k, v, _ = inputs(4, 2, 24, 40, torch.float32)
+    counter = kernels.FORWARD_CALLS
+    assert not counter.enabled  # nobody started it: no counting work on any rank by default
+    kernels.attention_forward(q, k, v, False, 0.3, mask=make_mask("random", 24, 40))
+    assert counter.calls == 0
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -331,3 +336,54 @@ def test_sinks_folded_after_the_merge_equal_a_softmax_with_the_sink(softcap):
     assert (out.double() - want).abs().max() <= 2e-5
     for leaf, ref in zip(leaves, refs):
         assert (leaf.grad.double() - ref.grad).abs().max() <= 2e-5 * max(1.0, ref.grad.abs().max().item())
+
+
+def window_truth(sq, sk, window):
+    """The window rule written out: row r may attend column c iff r + sk - sq - left <= c <=
+    r + sk - sq + right (-1: no limit)."""
+    left, right = window
+    r, c = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    allowed = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        allowed &= c >= r + sk - sq - left
+    if right >= 0:
+        allowed &= c <= r + sk - sq + right
+    return allowed
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("sq,sk", [(32, 32), (24, 56), (40, 24)])
+@pytest.mark.parametrize("window", [(7, 0), (31, -1), (5, 3), (-1, 4), (0, 0)])
+def test_window_blocks_match_the_reference(backend, dtype, tol, sq, sk, window):
+    """Windows run natively (cpu_flash: a cached band bias) or as a mask (math); more queries
+    than keys leaves rows empty, which the mask path handles."""
+    q, k, v, dout = inputs(4, 2, sq, sk, dtype, layout="bshd", seed=2)
+    be, scale = kernels.BACKENDS[backend], 0.3
+    out, lse = kernels.attention_forward(q, k, v, False, scale, be, window=window)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference(qr, kr, vr, False, scale, window_truth(sq, sk, window))
+    ref_out.backward(dout.double())
+    assert_close(out, ref_out, tol)
+    assert_close(lse, ref_lse, LSE_TOL[dtype])
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, False, scale, be, window=window)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        assert_close(got, want, tol * max(1.0, want.abs().max().item()))
+
+
+def test_window_masks_are_built_once_per_shape():
+    """No bias or mask per call: the band of a shape is built once and reused."""
+    q, k, v, _ = inputs(4, 2, 32, 48, torch.float32, seed=3)
+    kernels.attention_forward(q, k, v, False, 0.3, kernels.BACKENDS["cpu_flash"], window=(9, 0))
+    recorder = _OpRecorder()
+    with recorder:
+        kernels.attention_forward(q, k, v, False, 0.3, kernels.BACKENDS["cpu_flash"], window=(9, 0))
+    assert [str(op) for op in recorder.ops if "flash" not in str(op)] == [], recorder.ops
+
+
+def test_windows_are_checked():
+    q, k, v, _ = inputs(4, 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="window must be"):
+        kernels.attention_forward(q, k, v, False, 0.3, window=(-2, 0))
+    with pytest.raises(ValueError, match="window must be"):
+        kernels.attention_forward(q, k, v, True, 0.3, window=(3, 0))

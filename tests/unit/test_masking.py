@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from easy_context.core.kernels import band_mask
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
 
@@ -41,8 +42,8 @@ def coverage(mask: SequenceMask, q_index, k_index):
         rows, cols = block.q, block.kv
         nq = len(range(*rows.indices(q_index.shape[-1])))
         nk = len(range(*cols.indices(k_index.shape[-1])))
-        if block.mask is not None:
-            pattern = block.mask[0, 0].long()
+        if block.window is not None:
+            pattern = band_mask(nq, nk, block.window, torch.device("cpu"))[0, 0].long()
         elif block.causal:
             assert nq == nk
             pattern = torch.ones(nq, nk, dtype=torch.long).tril()
@@ -105,7 +106,7 @@ def test_plain_causal_rows_plan_one_block_per_shard_pair():
     qi = layout.local_indices(seq, 1)
     blocks = mask.blocks("plain", qi, qi, "cpu")
     # rank 1 holds chunks 1 and 2 of 4: chunk 2 sees chunk 1 fully, both diagonals causally
-    assert [(b.q, b.kv, b.causal, b.mask is None) for b in blocks] == [(slice(0, 32), slice(0, 32), True, True)]
+    assert [(b.q, b.kv, b.causal, b.window) for b in blocks] == [(slice(0, 32), slice(0, 32), True, None)]
 
 
 def test_a_row_with_nothing_to_attend_does_not_hide_the_next_row():

@@ -1,0 +1,278 @@
+"""What predicts a CUDA step's overhead, counted on CPU: host syncs and dispatched ops.
+
+    python -m benchmarks.dispatch_counts [--seq-len 4096] [--window 256] [--modes zigzag_ring_attn,...]
+
+On a GPU two costs dominate small-kernel code: a host sync stalls the stream, and every kernel
+launch costs 5-10 us whatever its size. A TorchDispatchMode sees every aten op on every rank:
+  host syncs  ops that hand a value to Python (`.item()`, `int()`, `bool()` of a tensor,
+              torch.equal/allclose): each is a device-to-host sync on CUDA
+  ops         every dispatched aten op; roughly one kernel launch each on CUDA (views included,
+              so this overcounts launches a little, the same way for us and for HF)
+Each case runs a tiny model with 2 and 4 layers on P=2 gloo ranks (rank 0's counts) and in one
+process unpatched (the same model on the whole sequence); the difference between the layer
+counts is the per-layer cost, the 4-layer count the per-step cost.
+  training   one forward + backward of a causal LM loss, after a warm-up step
+             masks: causal; packed (three documents per row); window (Mistral, sliding_window)
+  decoding   easy_context's generate vs HF generate, per new token (the difference between
+             two numbers of new tokens, so the prefill drops out)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import tempfile
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DispatchCounts", "HOST_SYNC_OPS", "count_case", "rank_counts", "reference_counts", "MASKS", "MODES"]
+
+# aten ops whose result is read on the host; on CUDA each waits for the stream.
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose", "item"})
+MASKS = ("causal", "packed", "window")
+MODES = ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
+OPTIONS = {"usp_attn": {"ring_degree": 2}}  # at P=2: the ring inside usp (pure Ulysses is ulysses_attn)
+VOCAB = 128
+
+
+_TRACE = set(filter(None, os.environ.get("EASY_CONTEXT_TRACE_OPS", "").split(",")))
+
+
+def _caller() -> str:
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-3] if "easy_context" in f.filename]
+    return "; ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[-3:])
+
+
+class DispatchCounts(TorchDispatchMode):
+    """Counts every aten op dispatched while active, and those that sync with the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+        self.by_op = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = func.overloadpacket.__name__
+        self.by_op[name] += 1
+        if name in _TRACE:
+            self.by_op[(name, _caller())] += 1
+        if name in HOST_SYNC_OPS:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_model(mask: str, layers: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    if mask == "window":
+        config = MistralConfig(**common, sliding_window=WINDOW[0])
+    else:
+        config = LlamaConfig(**common)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+WINDOW = [256]  # set from the spec before any model is built
+
+
+def batch(seq_len: int, mask: str):
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (1, seq_len), generator=g)
+    positions = torch.arange(seq_len)
+    if mask == "packed":  # three documents: positions restart at each start
+        starts = [0, seq_len // 4 + 3, seq_len // 2 + seq_len // 5]
+        for a, b in zip(starts, starts[1:] + [seq_len]):
+            positions[a:b] = torch.arange(b - a)
+    return input_ids, positions[None]
+
+
+def _train_step(model, input_ids, position_ids):
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten()).backward()
+
+
+def count_case(run) -> DispatchCounts:
+    run()  # warm-up: groups, caches and lazily built state are one-time costs
+    with DispatchCounts() as counts:
+        run()
+    return counts
+
+
+def _decode(model, generate, prompt, new_tokens):
+    return lambda: generate(model, prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
+def _measure(build, train, decode, spec) -> dict:
+    """{(case, mask or 'decoding', layers[, tokens]): (ops, syncs)} for one way of running."""
+    results = {}
+    for mask in spec["masks"]:
+        for layers in (2, 4):
+            counts = count_case(train(build(mask, layers), mask))
+            results[("train", mask, layers)] = (counts.ops, counts.syncs)
+            results[("by_op", mask, layers)] = counts.by_op
+    if spec["decode"]:
+        for layers in (2, 4):
+            model = build("causal", layers).eval()
+            for tokens in spec["decode_tokens"]:
+                counts = count_case(decode(model, tokens))
+                results[("decode", layers, tokens)] = (counts.ops, counts.syncs)
+                results[("by_op", "decode", layers, tokens)] = counts.by_op
+    return results
+
+
+def reference_counts(spec) -> dict:
+    """The unpatched model in this process, on the whole sequence."""
+    WINDOW[0] = spec["window"]
+    torch.set_num_threads(1)
+
+    def train(model, mask):
+        input_ids, positions = batch(spec["seq_len"], mask)
+        return lambda: _train_step(model, input_ids, positions)
+
+    prompt = batch(spec["prompt_len"], "causal")[0]
+
+    def decode(model, tokens):
+        return lambda: model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+
+    return _measure(tiny_model, train, decode, spec)
+
+
+def rank_counts(rank: int, world: int, spec) -> dict:
+    """One rank's counts for spec["mode"] (torch.distributed initialised by the caller)."""
+    import easy_context
+
+    WINDOW[0] = spec["window"]
+    mode, options = spec["mode"], OPTIONS.get(spec["mode"], {})
+    contexts = []
+
+    def build(mask, layers):
+        model = tiny_model(mask, layers)
+        contexts.append(easy_context.setup(mode, model, **options))
+        return model
+
+    def train(model, mask):
+        input_ids, positions = batch(spec["seq_len"], mask)
+        local = contexts[-1].shard(input_ids, positions)
+        return lambda: _train_step(model, local["local_input_ids"], local["local_position_ids"])
+
+    prompt = batch(spec["prompt_len"], "causal")[0]
+
+    def decode(model, tokens):
+        context = contexts[-1]
+        return lambda: context.generate(model, prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+
+    try:
+        return _measure(build, train, decode, spec)
+    finally:
+        easy_context.teardown()
+
+
+def per_layer(results: dict, case: tuple) -> tuple[float, int]:
+    """(ops per layer, host syncs per step) of one training mask, from the 2- and 4-layer runs."""
+    (ops2, syncs2), (ops4, syncs4) = results[(*case, 2)], results[(*case, 4)]
+    return (ops4 - ops2) / 2, max(syncs2, syncs4)
+
+
+def per_token(results: dict, tokens: tuple[int, int]) -> dict:
+    """Per new token: ops per layer, host syncs per layer and host syncs per token."""
+    n1, n2 = tokens
+
+    def delta(layers, index):
+        return (results[("decode", layers, n2)][index] - results[("decode", layers, n1)][index]) / (n2 - n1)
+
+    return {
+        "ops_per_layer": (delta(4, 0) - delta(2, 0)) / 2,
+        "syncs_per_layer": (delta(4, 1) - delta(2, 1)) / 2,
+        "syncs_per_token": delta(4, 1),
+    }
+
+
+def spec_for(seq_len=1024, window=128, masks=MASKS, decode=True, mode=None) -> dict:
+    return dict(
+        mode=mode,
+        seq_len=seq_len,
+        window=window,
+        masks=tuple(masks),
+        decode=decode,
+        prompt_len=64,
+        decode_tokens=(4, 8),
+    )
+
+
+def _rank_entry(rank, world, spec, workdir):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/init", rank=rank, world_size=world, timeout=datetime.timedelta(600)
+    )
+    try:
+        torch.save(rank_counts(rank, world, spec), f"{workdir}/result{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_mode(spec, world: int = 2) -> dict:
+    from benchmarks.harness import start_ranks
+
+    with tempfile.TemporaryDirectory() as workdir:
+        procs = start_ranks(_rank_entry, world, (spec, workdir))
+        for p in procs:
+            p.join(1800)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"{spec['mode']}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+        return torch.load(f"{workdir}/result0.pt", weights_only=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    base = spec_for(args.seq_len, args.window)
+    reference = reference_counts(base)
+    print(
+        f"P=2 gloo ranks (rank 0), tiny Llama/Mistral (hidden 64, 4 q / 2 kv heads), S={args.seq_len}, "
+        f"window {args.window}; unpatched: one process, whole sequence\n"
+    )
+    print("| mode | case | host syncs per step | (unpatched) | ops per layer | (unpatched) | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes.split(","):
+        results = run_mode({**base, "mode": mode})
+        for mask in MASKS:
+            ops, syncs = per_layer(results, ("train", mask))
+            ref_ops, ref_syncs = per_layer(reference, ("train", mask))
+            print(
+                f"| {mode} | train, {mask} | {syncs} | {ref_syncs} | {ops:.0f} | {ref_ops:.0f} | {ops / ref_ops:.2f} |"
+            )
+        ours, theirs = per_token(results, base["decode_tokens"]), per_token(reference, base["decode_tokens"])
+        print(
+            f"| {mode} | decoding, per token | {ours['syncs_per_token']:.2f} (per layer {ours['syncs_per_layer']:.2f})"
+            f" | {theirs['syncs_per_token']:.2f} | {ours['ops_per_layer']:.1f} | {theirs['ops_per_layer']:.1f} | "
+            f"{ours['ops_per_layer'] / theirs['ops_per_layer']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
