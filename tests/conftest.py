@@ -82,6 +82,7 @@ SLOW = {
         "test_gpu_check_dry_run",
         "test_gpu_check_refuses_bad_arguments",
     },
+    "test_groups": ALL,
     "test_masked_models": ALL,
     "test_mixed_precision": ALL,
     "test_model_types_scripts": ALL,

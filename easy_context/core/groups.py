@@ -3,7 +3,12 @@ sp_size = ring_degree x ulysses_degree.
 
 Ranks [g*sp, (g+1)*sp) form SP group g and share one sequence; different SP groups read
 different data. Inside an SP group, Ulysses groups are neighbouring ranks (fast links within
-a node) and ring groups are strided ranks. Groups are created once per topology and cached.
+a node) and ring groups are strided ranks.
+
+Every group comes from one cache keyed by its sorted rank list (group_for): where two kinds of
+group hold the same ranks (SP and ring when ulysses_degree is 1, SP and Ulysses when
+ring_degree is 1, any of them across topologies) they are one group object, so one
+communicator and one set of buffers. A rank list of the whole world is the default group.
 """
 
 from __future__ import annotations
@@ -11,16 +16,20 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import inspect
 import os
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
     "Topology",
     "SeqParallelGroups",
     "get_groups",
+    "group_for",
+    "group_device",
     "release_groups",
     "world_timeout",
     "divisors",
@@ -76,7 +85,24 @@ class SeqParallelGroups:
     ulysses: object | None
 
 
-_cache: dict = {}
+class _PerWorld:
+    """What we created for one default group; dropped when the default group changes."""
+
+    def __init__(self, world):
+        self.world = world
+        self.device = group_device()
+        self.by_ranks: dict = {}  # (sorted ranks, backend) -> group
+        self.by_topology: dict = {}  # Topology -> SeqParallelGroups
+
+
+_state: _PerWorld | None = None
+
+
+def _per_world() -> _PerWorld:
+    global _state
+    if _state is None or _state.world is not dist.group.WORLD:
+        _state = _PerWorld(dist.group.WORLD)
+    return _state
 
 
 def world_timeout():
@@ -96,19 +122,64 @@ def world_timeout():
     return None
 
 
-def _new_groups(rank_lists: list[list[int]], rank: int, world_size: int):
-    """Create one group per list (every rank must create every group, in the same order)."""
-    mine, timeout = None, world_timeout()
-    for ranks in rank_lists:
-        if len(ranks) == world_size:
-            group = dist.group.WORLD
-        elif len(ranks) == 1:
-            group = None
-        else:
-            group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            mine = group
-    return mine
+def group_device() -> torch.device | None:
+    """The CUDA device this rank's NCCL groups are bound to, or None off NCCL (gloo: nothing
+    changes).
+
+    A script that never calls torch.cuda.set_device stays on device 0, so a group's first
+    collective (get_groups' barrier) would set its communicator up on device 0 while the model
+    and the ring's transfers use cuda:LOCAL_RANK; NCCL would then set up a second communicator
+    for that device lazily, at the first point-to-point on it, and in a masked round not every
+    rank of the group takes part there, so a rank can wait for peers that never come. So
+    before the first group exists, a rank still on device 0 moves to the default group's bound
+    device, else to LOCAL_RANK (when that device exists: with one visible GPU per process,
+    device 0 is right), and new groups are created bound to that device (device_id, where
+    new_group takes it), which also sets their communicators up at creation, on every rank."""
+    if not torch.cuda.is_available() or "nccl" not in str(dist.get_backend()):
+        return None
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)  # init_process_group(device_id=)
+    if bound is not None:
+        target = bound.index
+    else:
+        local = os.environ.get("LOCAL_RANK", "")
+        target = int(local) if local.isdigit() else None
+    # torch has no public "was set_device called": device 0 with another device wanted is
+    # taken as never set (two NCCL ranks cannot share device 0 anyway)
+    never_set = torch.cuda.current_device() == 0
+    if never_set and target is not None and 0 < target < torch.cuda.device_count():
+        torch.cuda.set_device(target)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def group_for(ranks, backend: str | None = None):
+    """The process group over `ranks` (in any order), created once per default group: equal rank
+    lists get the same group object. A list of every rank is the default group (with the
+    default backend).
+
+    Collective like dist.new_group: every rank calls it with the same lists, in the same order.
+    Whether a call creates a group depends only on that sequence of lists, so every rank
+    creates the same groups in the same order. A rank outside `ranks` gets torch's
+    non-member handle."""
+    state, world, ranks = _per_world(), dist.get_world_size(), list(ranks)
+    members = tuple(sorted(ranks))
+    if not members or len(set(members)) != len(members) or not 0 <= members[0] <= members[-1] < world:
+        raise ValueError(f"ranks={ranks} is not a group of this world; give distinct ranks in [0, {world - 1}]")
+    if len(members) == world and backend is None:
+        return dist.group.WORLD
+    key = (members, backend)
+    if key not in state.by_ranks:
+        options = {"timeout": world_timeout(), "backend": backend}
+        if state.device is not None and "device_id" in inspect.signature(dist.new_group).parameters:
+            options["device_id"] = state.device
+        state.by_ranks[key] = dist.new_group(list(members), **options)
+    return state.by_ranks[key]
+
+
+def _mine(rank_lists: list[list[int]], rank: int):
+    """This rank's group among `rank_lists` (a partition of the world); every list goes through
+    group_for on every rank. A group of one rank is None."""
+    groups = [None if len(ranks) == 1 else group_for(ranks) for ranks in rank_lists]
+    return next(group for ranks, group in zip(rank_lists, groups) if rank in ranks)
 
 
 def get_groups(topology: Topology) -> SeqParallelGroups:
@@ -120,8 +191,8 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
         return SeqParallelGroups(topology, 0, None, None, None)
     if dist.get_world_size() != topology.world_size:
         raise ValueError(f"world size is {dist.get_world_size()}, not {topology.world_size}")
-    key = (topology, id(dist.group.WORLD))
-    if key not in _cache:
+    state = _per_world()
+    if topology not in state.by_topology:
         register_exit_teardown()
         rank, world = dist.get_rank(), topology.world_size
         sp, u, r = topology.sp_size, topology.ulysses_degree, topology.ring_degree
@@ -131,23 +202,25 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
         groups = SeqParallelGroups(
             topology,
             topology.sp_rank(rank),
-            _new_groups(sp_lists, rank, world),
-            _new_groups(ring_lists, rank, world),
-            _new_groups(ulysses_lists, rank, world),
+            _mine(sp_lists, rank),
+            _mine(ring_lists, rank),
+            _mine(ulysses_lists, rank),
         )
         # A collective on each new group before its first point-to-point: NCCL requires that
         # a group's first operation involve all of its ranks (dist_flash_attn's does not).
-        for group in (groups.sp, groups.ring, groups.ulysses):
-            if group is not None:
-                dist.barrier(group=group)
-        _cache[key] = groups
-    return _cache[key]
+        # Each group once: a group serving two roles serves them on all of its ranks.
+        distinct = {id(g): g for g in (groups.sp, groups.ring, groups.ulysses) if g is not None}
+        for group in distinct.values():
+            dist.barrier(group=group)
+        state.by_topology[topology] = groups
+    return state.by_topology[topology]
 
 
 def release_groups() -> None:
     """Forget the cached group handles, so that destroy_process_group() really frees them
     before the interpreter exits (a gloo group still referenced then can abort the process)."""
-    _cache.clear()
+    global _state
+    _state = None
 
 
 # ------------------------------------------------------------------------ exit teardown
