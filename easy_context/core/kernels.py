@@ -15,22 +15,31 @@ gets out 0 and lse -inf on every backend, and zero gradients (never NaN).
 
 Softcapping (Gemma 2): `softcap` c turns each logit s = scale * q.k into c * tanh(s / c)
 before the softmax; the lse is over the capped logits, so blocks still merge exactly.
-Only math (any device) and flash_attn (CUDA) have it; a softcapped call picks the best of
+math (any device), flash_attn and flex (CUDA) have it; a softcapped call picks the best of
 those (on CPU: math, which holds one tile of logits at a time).
+
+Windows: a backend with supports_window takes window=(left, right), flash_attn's rule
+(bottom-right aligned: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right,
+-1 unlimited), alone or with a mask.
 
 Backends, picked per call from the tensors' device, dtype and head dim (override with
 EASY_CONTEXT_KERNEL):
   cpu_flash       torch's fused CPU flash-attention op (private aten op, pinned by tests); masks
   flash_attn      Dao-AILab flash_attn on CUDA, fp16/bf16 (optional dependency); softcap
+  flex            torch's FlexAttention, compiled, on CUDA: masks, softcap, windows, any mix of
+                  them (softcap with a mask, documents inside a window); on CPU only when forced
+                  (eager, the whole score matrix at once: for tests of its algebra)
   cuda_flash      torch's fused CUDA flash op, fp16/bf16
   cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks
   math            pure torch, fp32 accumulation, any device; masks, softcap; the reference and
                   the fallback; computed in tiles of query rows (MATH_TILE_LOGITS logits at a time)
-Order on CUDA: fp16/bf16 flash_attn, cuda_flash, cuda_efficient, math; fp32 cuda_efficient,
-math. The two flash backends need compute capability >= 8.0 and a head dim <= 256 that is a
-multiple of 8. A masked call uses the best backend that takes a mask: a forced
-EASY_CONTEXT_KERNEL that cannot (flash_attn, cuda_flash) still serves every unmasked call,
-and masked calls fall back to the best masked backend.
+Order on CUDA: fp16/bf16 flash_attn, cuda_flash, cuda_efficient, flex, math; fp32
+cuda_efficient, flex, math (flex sits before math so a masked or softcapped call that no fused
+kernel serves never reaches math there). The two flash backends need compute capability
+>= 8.0 and a head dim <= 256 that is a multiple of 8. A masked call uses the best backend that
+takes a mask: a forced EASY_CONTEXT_KERNEL that cannot (flash_attn, cuda_flash) still serves
+every unmasked call, and masked calls fall back to the best masked backend. flex on CPU is
+forced only (FORCED_ONLY): EASY_CONTEXT_KERNEL=flex sends every CPU call there.
 
 `causal=True` is only used with Sq == Sk (diagonal blocks), so top-left vs bottom-right
 alignment of the backends never matters.
@@ -60,6 +69,10 @@ from easy_context.core.kernel_backends import (
     flash_attn_has_softcap,
     flash_attn_has_window,
     flash_attn_usable,
+    flex_backward,
+    flex_compilable,
+    flex_forward,
+    flex_usable,
     math_backward,
     math_forward,
 )
@@ -177,7 +190,15 @@ BACKENDS = {
     "flash_attn": Backend(
         "flash_attn", flash_attn_forward, flash_attn_backward, supports_softcap=True, supports_window=True
     ),
+    "flex": Backend(
+        "flex", flex_forward, flex_backward, supports_mask=True, supports_softcap=True, supports_window=True
+    ),
 }
+
+# Backends usable on a device only when EASY_CONTEXT_KERNEL names them: eager FlexAttention on
+# CPU holds the whole (B, H, Sq, Sk) score matrix and is slower than math; forced, its CPU path
+# is what tests check the CUDA backend's algebra on.
+FORCED_ONLY = {"cpu": ("flex",)}
 
 
 def _has(name: str, masked: bool, softcap: bool, window: bool = False) -> bool:
@@ -195,6 +216,18 @@ def _flash_fits(head_dim, capability) -> bool:
     """Limits shared by flash_attn and torch's flash op: sm80+ kernels, head dims up to 256."""
     return (capability is None or capability >= (8, 0)) and (
         head_dim is None or (head_dim <= 256 and head_dim % 8 == 0)
+    )
+
+
+def _flex_fits(dtype, head_dim, capability) -> bool:
+    """Where compiled FlexAttention is used on CUDA: Triton installed, sm80+, fp32/fp16/bf16, head
+    dims 16..256 in multiples of 8. Narrower than what flex may take: a call outside goes to
+    math, which is exact, rather than to a Triton kernel never checked there."""
+    return (
+        dtype in (torch.float32, *HALF)
+        and (capability is None or capability >= (8, 0))
+        and (head_dim is None or (16 <= head_dim <= 256 and head_dim % 8 == 0))
+        and flex_compilable()
     )
 
 
@@ -233,6 +266,8 @@ def available_backends(
                 names.append("cuda_flash")
         if _efficient_fits(dtype, head_dim, capability):
             names.append("cuda_efficient")
+        if _flex_fits(dtype, head_dim, capability):  # masks and softcaps no fused kernel takes
+            names.append("flex")
     names.append("math")
     return [n for n in names if _has(n, masked, softcap)]
 
@@ -251,14 +286,22 @@ def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False,
     choices = _usable_backends(q.device.type, q.device.index, q.dtype, q.shape[-1])
     forced = os.environ.get("EASY_CONTEXT_KERNEL")  # read per call: tests set it
     if forced:
-        if forced not in choices:
+        if forced not in choices and not _forced_only_usable(forced, q.device.type):
             raise ValueError(
                 f"EASY_CONTEXT_KERNEL={forced!r} cannot run {q.dtype} (head dim {q.shape[-1]}) on "
-                f"{q.device}; usable here: {list(choices)}"
+                f"{q.device}; usable here: {list(choices) + _forced_only(q.device.type)}"
             )
         if _has(forced, masked, softcap, window):
             return BACKENDS[forced]
     return BACKENDS[next(n for n in choices if _has(n, masked, softcap, window))]
+
+
+def _forced_only(device_type: str) -> list[str]:
+    return [n for n in FORCED_ONLY.get(device_type, ()) if n != "flex" or flex_usable()]
+
+
+def _forced_only_usable(name: str, device_type: str) -> bool:
+    return name in _forced_only(device_type)
 
 
 def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, softcap, window=False) -> Backend:

@@ -459,8 +459,10 @@ def test_flash_attn_signature_is_read_from_the_custom_op_schema_once():
 # ------------------------------------------------------------------------- gating
 @pytest.fixture
 def cuda_lookups(monkeypatch):
-    """flash_attn importable, torch built with flash attention; caches cleared around the test."""
+    """flash_attn importable, torch built with flash attention, flex compilable (Triton);
+    caches cleared around the test."""
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(kernels, "flex_compilable", lambda: True)
     kernels._usable_backends.cache_clear()
     with fake_flash_attn(flash_attn_2_8_backward):
         yield
@@ -469,13 +471,28 @@ def cuda_lookups(monkeypatch):
 
 def test_cuda_backend_order(cuda_lookups):
     available = kernels.available_backends
-    everything = ["flash_attn", "cuda_flash", "cuda_efficient", "math"]
+    everything = ["flash_attn", "cuda_flash", "cuda_efficient", "flex", "math"]
     assert available("cuda", torch.bfloat16, 128, (8, 0)) == everything
     assert available("cuda", torch.float16, 72, (9, 0)) == everything  # 72: a multiple of 8
     assert available("cuda", torch.float16, 256, (12, 0)) == everything
-    assert available("cuda", torch.float32, 64, (8, 0)) == ["cuda_efficient", "math"]  # fp32: never math first
+    assert available("cuda", torch.float32, 64, (8, 0)) == ["cuda_efficient", "flex", "math"]  # never math first
     assert available("cuda", torch.float64, 64, (8, 0)) == ["math"]
-    assert available("cuda", torch.bfloat16, 128, (8, 0), masked=True) == ["cuda_efficient", "math"]
+    assert available("cuda", torch.bfloat16, 128, (8, 0), masked=True) == ["cuda_efficient", "flex", "math"]
+
+
+def test_masked_or_softcapped_cuda_calls_no_fused_kernel_serves_go_to_flex(cuda_lookups, monkeypatch):
+    available = kernels.available_backends
+    assert available("cuda", torch.bfloat16, 128, (8, 0), softcap=True) == ["flash_attn", "flex", "math"]
+    for dtype in (torch.bfloat16, torch.float32):
+        assert available("cuda", dtype, 128, (8, 0), masked=True, softcap=True) == ["flex", "math"]
+    assert available("cuda", torch.float32, 64, (8, 0), softcap=True) == ["flex", "math"]
+    # Outside what it is used for (fp64, sm75, head dims 8 or 264) and without Triton: math.
+    assert available("cuda", torch.float64, 64, (8, 0), masked=True, softcap=True) == ["math"]
+    assert available("cuda", torch.float16, 64, (7, 5), masked=True, softcap=True) == ["math"]
+    assert available("cuda", torch.float32, 8, (8, 0), masked=True, softcap=True) == ["math"]
+    assert available("cuda", torch.bfloat16, 264, (9, 0), masked=True, softcap=True) == ["math"]
+    monkeypatch.setattr(kernels, "flex_compilable", lambda: False)
+    assert available("cuda", torch.bfloat16, 128, (8, 0), masked=True, softcap=True) == ["math"]
 
 
 @pytest.mark.parametrize(
@@ -486,12 +503,13 @@ def test_flash_backends_need_sm80_and_a_head_dim_they_are_built_for(cuda_lookups
     assert "flash_attn" not in names and "cuda_flash" not in names
     assert names[-1] == "math"
     assert ("cuda_efficient" in names) == (head_dim % 8 == 0)  # half: GEMM alignment 8
+    assert "flex" not in names  # its window: sm80+, head dims 16..256 in multiples of 8
 
 
 def test_efficient_backend_limits(cuda_lookups):
     available = kernels.available_backends
     assert available("cuda", torch.bfloat16, 64, (7, 5)) == ["math"]  # bf16 kernels are sm80+
-    assert available("cuda", torch.float32, 70, (7, 0)) == ["cuda_efficient", "math"]  # no tensor cores
+    assert available("cuda", torch.float32, 70, (7, 0)) == ["cuda_efficient", "math"]  # no tensor cores, no flex
     assert available("cuda", torch.float32, 70, (8, 0)) == ["math"]  # tensor cores: alignment 4
 
 
