@@ -25,7 +25,8 @@ EASY_CONTEXT_KERNEL):
   cuda_flash      torch's fused CUDA flash op, fp16/bf16
   cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks
   math            pure torch, fp32 accumulation, any device; masks, softcap; the reference and
-                  the fallback; computed in tiles of query rows (MATH_TILE_LOGITS logits at a time)
+                  the fallback; computed in tiles of query rows (kernel_backends.tile_logits: on
+                  CPU MATH_TILE_LOGITS logits at a time, on CUDA sized from the free memory)
 Order on CUDA: fp16/bf16 flash_attn, cuda_flash, cuda_efficient, math; fp32 cuda_efficient,
 math. The two flash backends need compute capability >= 8.0 and a head dim <= 256 that is a
 multiple of 8. A masked call uses the best backend that takes a mask: a forced
