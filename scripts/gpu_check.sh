@@ -11,6 +11,11 @@
 # Sections (each with its own time limit; one failing does not stop the others):
 #   env         torch / CUDA / GPU, the optional packages, the kernel backends usable per dtype
 #   kernels     tools/check_kernels.py: every backend vs fp64, fp32/bf16/fp16, bound 2x SDPA's error
+#   masks       tools/check_gpu_paths.py masks: each backend timed on causal, sliding-window and
+#               packed-document blocks (SKIP lines say what this device cannot run, and why)
+#   multirank   tools/check_gpu_paths.py multirank: which gloo ops take this device's tensors; every
+#               mode they can carry on 2 ranks over gloo sharing the GPU; the ring modes in a
+#               2-rank simulation (threads, one process) vs one rank; what stays unexercised (NCCL)
 #   modes_p1    tools/check_exactness.py, every mode on one rank: logits, loss, every gradient
 #               vs the unpatched model (fp32, bf16 weights, fp32 under bf16 autocast)
 #   modes_pN    the same on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
@@ -33,7 +38,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY_RUN=1 ;;
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS)" >&2; exit 2 ;;
   esac
   shift
@@ -58,6 +63,8 @@ if [ "$DRY_RUN" = 1 ]; then
   BENCH_ARGS="--device cpu --seq-len 512,1024 --heads 8 --kv-heads 2 --head-dim 64 --iters 2"
   TRAIN_LEN=512
   MULTI=2
+  MASK_ARGS="--device cpu --dtypes fp32 --seq-len 256 --iters 1"
+  MULTIRANK_ARGS="--device cpu --dtypes fp32 --seq-len 256 --gloo-runs 1"  # modes_p2 runs every mode over gloo
 else
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$NGPU" = 0 ]; then
@@ -69,6 +76,8 @@ else
   BENCH_ARGS="--device cuda --seq-len 8192,16384,32768,65536 --iters 5"
   TRAIN_LEN=16384
   MULTI=$NGPU
+  MASK_ARGS="--device cuda --dtypes bf16,fp32 --seq-len 8192 --head-dim 128 --iters 3"
+  MULTIRANK_ARGS="--device cuda --dtypes fp32,bf16 --seq-len 4096"
 fi
 
 FAILED=0
@@ -236,6 +245,8 @@ export -f env_report modes_exact train_options peers
 export PY WORK NGPU EXACT_ARGS TRAIN_LEN
 section env 45 env_report
 section kernels 90 "$PY" -m tools.check_kernels $KERNEL_ARGS
+section masks 60 "$PY" -m tools.check_gpu_paths masks $MASK_ARGS
+section multirank 120 "$PY" -m tools.check_gpu_paths multirank $MULTIRANK_ARGS
 section modes_p1 150 modes_exact 1
 if [ "$MULTI" -ge 2 ]; then section "modes_p$MULTI" 150 modes_exact "$MULTI"; fi
 section bench 120 "$PY" -m benchmarks.bench_kernels $BENCH_ARGS

@@ -95,6 +95,13 @@ def main():
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32 and/or bf16 (bf16 weights)")
     parser.add_argument("--autocast", action="store_true", help="also fp32 weights under bf16 autocast")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON (rank 0)")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=["nccl", "gloo"],
+        help="default: nccl on CUDA, gloo on CPU; gloo on "
+        "CUDA runs every rank's tensors on the GPUs there are (ranks may share one)",
+    )
     args = parser.parse_args()
     variants = [v.strip() for v in args.dtypes.split(",") if v.strip()] + (["autocast"] if args.autocast else [])
     if not variants or set(variants) - {"fp32", "bf16", "autocast"}:
@@ -102,13 +109,18 @@ def main():
 
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        parser.error("--backend nccl needs a CUDA device")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:  # before the process group: NCCL binds each rank to its own GPU (P2P may hang otherwise)
         torch.cuda.set_device(device)
     bind = (
-        {"device_id": device} if cuda and "device_id" in inspect.signature(dist.init_process_group).parameters else {}
+        {"device_id": device}
+        if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters
+        else {}
     )
-    dist.init_process_group("nccl" if cuda else "gloo", **bind)
+    dist.init_process_group(backend, **bind)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = AutoConfig.for_model(
         args.model_type,

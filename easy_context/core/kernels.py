@@ -32,7 +32,8 @@ EASY_CONTEXT_KERNEL):
   cuda_flash      torch's fused CUDA flash op, fp16/bf16
   cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks
   math            pure torch, fp32 accumulation, any device; masks, softcap; the reference and
-                  the fallback; computed in tiles of query rows (MATH_TILE_LOGITS logits at a time)
+                  the fallback; computed in tiles of query rows (kernel_backends.tile_logits: on
+                  CPU MATH_TILE_LOGITS logits at a time, on CUDA sized from the free memory)
 Order on CUDA: fp16/bf16 flash_attn, cuda_flash, cuda_efficient, flex, math; fp32
 cuda_efficient, flex, math (flex sits before math so a masked or softcapped call that no fused
 kernel serves never reaches math there). The two flash backends need compute capability

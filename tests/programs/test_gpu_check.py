@@ -101,8 +101,15 @@ def test_gpu_check_dry_run(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + results[-6000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.md"]
     summary = results.split("## Summary")[1]
-    for section in ("env", "kernels", "modes_p1", "modes_p2", "bench", "train"):
+    for section in ("env", "kernels", "masks", "multirank", "modes_p1", "modes_p2", "bench", "train"):
         assert f"| {section} | PASS |" in summary, summary
+    masks = results.split("## masks")[1].split("## multirank")[0]
+    for case in ("causal", "window", "documents"):  # timed on CPU; the CUDA backends say why not
+        assert f"\nmath            {case}" in masks and f"SKIP cuda_efficient {case}: not usable" in masks
+    multirank = results.split("## multirank")[1].split("## modes_p1")[0]
+    assert "batch_isend_irecv    works" in multirank and "2 ranks over gloo, cpu tensors (exit 0)" in multirank
+    assert multirank.count("  yes  (") == 6 and " NO " not in multirank  # 2 ring modes x 3 masks, simulated
+    assert "unexercised here: NCCL" in multirank
     assert "| peers | SKIP |" in summary or "| peers | PASS |" in summary
     # the sections' own tables made it into the file
     assert "kernel backends vs fp64 on cpu" in results and "| all_bf16 |" in results

@@ -308,6 +308,89 @@ def test_math_backend_in_row_tiles_equals_one_tile(monkeypatch, causal, kind, so
         assert_close(got, want, 1e-6 * max(1.0, want[want != -math.inf].abs().max().item()))
 
 
+class _ConversionCounter(TorchDispatchMode):
+    """Counts dtype conversions (aten._to_copy) of tensors sharing storage with `watched`."""
+
+    def __init__(self, *watched):
+        super().__init__()
+        self.storages = {x.untyped_storage().data_ptr() for x in watched}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        source = args[0] if args else None
+        if func.overloadpacket == torch.ops.aten._to_copy and isinstance(source, torch.Tensor):
+            self.count += source.untyped_storage().data_ptr() in self.storages
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("causal,kind,softcap", [(True, None, None), (False, "random", 2.0)])
+def test_math_backend_converts_k_and_v_once_per_call(monkeypatch, causal, kind, softcap):
+    """bf16 K/V become fp32 once per forward and once per backward, however many tiles there
+    are (before: once per tile, the whole K/V range again in every tile)."""
+    q, k, v, dout = inputs(4, 2, 40, 40, torch.bfloat16)
+    mask = None if kind is None else make_mask(kind, 40, 40)
+    math_backend = kernels.BACKENDS["math"]
+    monkeypatch.setattr(kernel_backends, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
+    assert len(kernel_backends.row_tiles(q, k)) == 6
+    with _ConversionCounter(k) as k_count, _ConversionCounter(v) as v_count:
+        out, lse = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    assert (k_count.count, v_count.count) == (1, 1)
+    with _ConversionCounter(k) as k_count, _ConversionCounter(v) as v_count:
+        kernels.attention_backward(dout, q, k, v, out, lse, causal, 0.25, math_backend, mask=mask, softcap=softcap)
+    assert (k_count.count, v_count.count) == (1, 1)
+
+
+def test_math_backend_sizes_its_tiles_once_per_call(monkeypatch):
+    """The tile size (on CUDA a driver call) is read once per forward and once per backward."""
+    q, k, v, dout = inputs(4, 2, 40, 40, torch.float32)
+    sizes = []
+
+    def counted(device, dtype):
+        sizes.append((device.type, dtype))
+        return 2 * 4 * 40 * 7  # tiles of 7 query rows
+
+    monkeypatch.setattr(kernel_backends, "tile_logits", counted)
+    math_backend = kernels.BACKENDS["math"]
+    out, lse = kernels.attention_forward(q, k, v, True, 0.25, math_backend)
+    kernels.attention_backward(dout, q, k, v, out, lse, True, 0.25, math_backend)
+    assert sizes == [("cpu", torch.float32)] * 2
+
+
+def test_cuda_math_tiles_follow_free_device_memory(monkeypatch):
+    """On CUDA a tile takes MATH_CUDA_FREE_FRACTION of the free memory over
+    MATH_TILE_TEMPORARIES temporaries of the accumulation dtype, never fewer logits than the
+    CPU tile nor more than MATH_CUDA_MAX_TILE_LOGITS; CPU keeps its cache-sized tile.
+    mem_get_info is faked: no GPU needed."""
+    asked = []
+
+    def mem_get_info(device=None):
+        asked.append(device)
+        return free, 141 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    cuda = torch.device("cuda", 0)
+    per_logit = 4 * kernel_backends.MATH_TILE_TEMPORARIES  # fp32 accumulation for bf16 and fp32
+    for free in (4 * 2**30, 12 * 2**30):
+        want = int(free * kernel_backends.MATH_CUDA_FREE_FRACTION) // per_logit
+        assert kernel_backends.MATH_TILE_LOGITS < want < kernel_backends.MATH_CUDA_MAX_TILE_LOGITS
+        assert kernel_backends.tile_logits(cuda, torch.bfloat16) == want
+        assert kernel_backends.tile_logits(cuda, torch.float32) == want
+        assert kernel_backends.tile_logits(cuda, torch.float64) == want // 2  # fp64 logits are twice the size
+    assert asked == [cuda] * 6
+    free = 2**20  # almost nothing free: the lower bound
+    assert kernel_backends.tile_logits(cuda, torch.bfloat16) == kernel_backends.MATH_TILE_LOGITS
+    free = 2**45  # more than any tile needs: the upper bound
+    assert kernel_backends.tile_logits(cuda, torch.bfloat16) == kernel_backends.MATH_CUDA_MAX_TILE_LOGITS
+    asked.clear()
+    assert kernel_backends.tile_logits(torch.device("cpu"), torch.bfloat16) == kernel_backends.MATH_TILE_LOGITS
+    assert asked == []  # CPU never asks the driver
+    # The issue's case: a 16K block, 16 heads, 100 GiB free: 4096-row tiles instead of 8.
+    free = 100 * 2**30
+    q = torch.empty(1, 16, 16384, 128, device="meta")
+    rows = kernel_backends.row_tiles(q, q, kernel_backends.tile_logits(cuda, torch.bfloat16))[0]
+    assert rows.stop == kernel_backends.MATH_CUDA_MAX_TILE_LOGITS // (16 * 16384) == 4096
+
+
 def test_softcap_is_never_sent_to_a_backend_without_it(monkeypatch):
     q, k, v, _ = inputs(4, 2, 16, 16, torch.float32)
     monkeypatch.setenv("EASY_CONTEXT_KERNEL", "cpu_flash")
