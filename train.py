@@ -122,6 +122,11 @@ def parse_args(argv=None):
         help="run MLPs over sequence tiles of this many tokens (0: off)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decoder after patching (the sequence-parallel attention is one opaque operator)",
+    )
+    p.add_argument(
         "--document-masking",
         action="store_true",
         help="restart positions after each EOS: no token attends across a document",
@@ -190,6 +195,11 @@ def parse_args(argv=None):
         errors.append(f"--save-total-limit must be >= 1, got {args.save_total_limit}")
     if args.skip_nonfinite_steps < 0:
         errors.append(f"--skip-nonfinite-steps must be >= 0, got {args.skip_nonfinite_steps}")
+    if args.compile and args.activation_checkpointing:
+        errors.append(
+            "--compile with --activation-checkpointing is not supported (under compilation the checkpointed "
+            "attention would be recomputed, untested); drop one of them"
+        )
     if args.tiled_mlp < 0:
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
     if ring_error := ring_degree_error(args):
@@ -328,6 +338,8 @@ def set_up_run(args, accelerator, stage: Stage) -> Run:
             "--skip-nonfinite-steps is not supported under DeepSpeed; without it, training stops at a non-finite loss "
             "after saving a checkpoint of the last good step"
         )
+    if deepspeed is not None and args.compile:
+        fail("--compile is not supported under DeepSpeed (its engine wraps the model); drop --compile")
     # --balance-documents: every document is split over the ring (document_split); Ulysses alone is
     # balanced already.
     split = args.balance_documents and mode.document_split
@@ -362,6 +374,10 @@ def build_model(run: Run):
         ring_degree=args.ring_degree,
         document_split=run.document_split or None,
     )
+    if args.compile:
+        # In place: parameter names, and so checkpoints, stay those of the eager model. The
+        # decoder is what the loss calls; the output layer runs in chunks under checkpointing.
+        model.get_decoder().compile()
     return CausalLMLoss(model, args.loss_chunk_size), tokenizer
 
 

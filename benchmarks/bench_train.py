@@ -9,7 +9,10 @@ Rows, each in fresh processes (CPU, gloo, 2 threads in all):
                   checkpointing.
   MODE P=2 +mem   2 processes: + activation checkpointing, tiled MLP (1024 tokens),
                   chunked loss (1024 tokens).
-Columns: tokens/s of the whole step (all ranks together; the second step), per-rank peak
+  MODE P=2 compiled  (--compile) MODE P=2 with the decoder torch.compile'd (inductor) after
+                  patching; the first step compiles, so its memory includes the compiler's.
+Columns: tokens/s of the whole step (all ranks together; the mean of --timed-steps steps
+after the first), per-rank peak
 memory of the first step (peak RSS above the RSS of the built model, from /proc/self/status
 VmHWM after resetting it through /proc/self/clear_refs), and that peak per token the rank
 holds.
@@ -79,6 +82,8 @@ def _worker(rank, world, spec, workdir):
         local_tokens = seq
     else:
         ec.apply_seq_parallel_monkey_patch(mode, "llama")
+        if spec.get("compile"):
+            model.get_decoder().compile()
         local = ec.prepare_seq_parallel_inputs(mode, tokens[:, :-1], None, tokens[:, 1:], rank, world, "cpu")
         chunk = 1024 if memory else seq
 
@@ -111,14 +116,17 @@ def _worker(rank, world, spec, workdir):
     elapsed = time.perf_counter() - start
     absolute = status_bytes("VmHWM:")
     model.zero_grad(set_to_none=True)
-    if not spec.get("one_step"):  # time: the second step
+    if not spec.get("one_step"):  # time: the steps after the first
+        steps = spec.get("timed_steps", 1)
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        step()
+        for _ in range(steps):
+            step()
+            model.zero_grad(set_to_none=True)
         if world > 1:
             dist.barrier()
-        elapsed = time.perf_counter() - start
+        elapsed = (time.perf_counter() - start) / steps
     write_result(workdir, rank, [elapsed, absolute - before, local_tokens, absolute])
     if world > 1:
         dist.destroy_process_group()
@@ -170,6 +178,10 @@ def main():
         default=None,
         help="then run one real step of each '+mem' config at this length, next to its prediction",
     )
+    parser.add_argument(
+        "--compile", action="store_true", help="add 'MODE P=2 compiled': the decoder torch.compile'd after patching"
+    )
+    parser.add_argument("--timed-steps", type=int, default=1, help="steps timed after the first (their mean)")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for CI")
     parser.add_argument(
@@ -181,9 +193,13 @@ def main():
     seqs = [512, 1024] if args.smoke else [int(s) for s in args.seq_lengths.split(",")]
     vocab = 1000 if args.smoke else args.vocab
     budget = args.memory_budget_gib or memory_total_gib()
-    configs = [("hf-plain", None, False, 1)]
+    if args.timed_steps < 1:
+        parser.error(f"--timed-steps must be >= 1, got {args.timed_steps}")
+    configs = [("hf-plain", None, False, 1, False)]
     for mode in args.modes.split(","):
-        configs += [(f"{mode} P=2", mode, False, 2), (f"{mode} P=2 +mem", mode, True, 2)]
+        configs += [(f"{mode} P=2", mode, False, 2, False), (f"{mode} P=2 +mem", mode, True, 2, False)]
+        if args.compile:
+            configs.append((f"{mode} P=2 compiled", mode, False, 2, True))
     if args.configs or args.profile:
         wanted = set((args.configs or args.profile).split(","))
         configs = [c for c in configs if c[0] in wanted]
@@ -196,10 +212,9 @@ def main():
     )
     rows = []
     for seq in seqs:
-        for name, mode, memory, world in configs:
-            result = run(
-                {"seq": seq, "mode": mode, "memory": memory, "vocab": vocab, "profile": bool(args.profile)}, world
-            )
+        for name, mode, memory, world, compiled in configs:
+            spec = {"seq": seq, "mode": mode, "memory": memory, "vocab": vocab, "profile": bool(args.profile)}
+            result = run({**spec, "compile": compiled, "timed_steps": args.timed_steps}, world)
             rows.append({"config": name, "seq": seq, "world": world, **(result or {})})
             if result:
                 print(
@@ -224,7 +239,7 @@ def main():
         flush=True,
     )
     fits = []
-    for name, mode, memory, world in configs:
+    for name, mode, memory, world, _ in configs:
         points = [(r["seq"], r["absolute_mib"]) for r in rows if r["config"] == name and "absolute_mib" in r]
         if len(points) < 2:
             continue

@@ -50,6 +50,7 @@ SLOW = {
     "test_device_placement": {
         "test_every_collective_gets_tensors_made_on_the_data_device",
     },
+    "test_compile": ALL,
     "test_dist_flash_attn": {
         "test_checkpointed_backward_does_not_recompute_forward_attention",
         "test_measured_work_is_balanced_at_four_ranks",

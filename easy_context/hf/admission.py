@@ -44,9 +44,17 @@ def named_attention_keywords(cls) -> frozenset:
     return frozenset(names)
 
 
+# A constant of the class: torch.compile calls it while tracing instead of tracing through
+# inspect and ast (which it cannot), and keeps the answer.
+@torch.compiler.assume_constant_result
+def unknown_attention_keywords(cls) -> tuple:
+    """The keywords `cls` passes its attention function that we do not know, sorted."""
+    return tuple(sorted(named_attention_keywords(cls) - _KNOWN_KWARGS))
+
+
 def logit_options(module, kwargs) -> dict:
     """softcap and sinks from the model's keywords; unimplemented features refused (see above)."""
-    unknown = sorted(named_attention_keywords(type(module)) - _KNOWN_KWARGS)
+    unknown = list(unknown_attention_keywords(type(module)))
     if unknown:
         raise ValueError(
             f"{type(module).__name__} passes {unknown} to its attention function; sequence parallelism does not "

@@ -17,6 +17,8 @@ sequence: documents (position_ids restarting), padding and, per layer, the slidi
 window. Every rank derives it from the same gathered data, so every check on it fails
 on all ranks alike and no rank is left waiting in a collective. The same first call
 checks now and then that the SP group's weights are still identical (replicas.py).
+
+Under torch.compile the dispatcher calls the mode through one custom operator (compiled.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from easy_context.core.global_mask import gather_sequence_mask
 from easy_context.core.groups import SeqParallelGroups
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
-from easy_context.hf import admission
+from easy_context.hf import admission, compiled
 from easy_context.hf.replicas import check_replicas
 
 __all__ = ["SUPPORTED_IMPLEMENTATIONS", "ShardedMask", "install", "uninstall", "active"]
@@ -66,6 +68,13 @@ class ShardedMask:
     def __init__(self, padding: torch.Tensor | None):
         self.padding = padding
         self._resolved: SequenceMask | None = None
+        self._started = False
+
+    def starts_forward(self) -> bool:
+        """True at the first call of this forward's attention (the compiled path: decided while
+        tracing, the same on every rank; the call that gathers the mask)."""
+        first, self._started = not self._started, True
+        return first
 
     def resolve(
         self, module, position_ids, groups: SeqParallelGroups, layout: Layout, token_index=None
@@ -81,7 +90,9 @@ class ShardedMask:
 def _sequence_parallel_attention(module, query, key, value, attention_mask, **kwargs):
     admission.check_call(module, attention_mask, kwargs, ShardedMask)
     cache = _installed.decoding
-    if cache is not None:
+    if cache is None and torch.compiler.is_compiling():
+        attend = _compiled_attention(module, query, key, attention_mask, kwargs)
+    elif cache is not None:
         window = kwargs.get("sliding_window")
 
         def attend(q, k, v, scale, **options):
@@ -111,32 +122,64 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
     return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
 
 
-def _mode_attention(module, query, key, attention_mask, kwargs):
-    """The active mode's attention over the SP group's shards, with this forward's mask."""
+def _check_mode_call(query, key, kwargs):
+    """What a forward of the active mode needs: no KV cache, and the token index exactly when
+    the patch splits documents. Returns the token index (None without document_split)."""
     if query.shape[2] != key.shape[2]:
         raise ValueError(
             f"query length {query.shape[2]} != key length {key.shape[2]}: a KV cache (generation) "
             "outside easy_context.generate is not supported under sequence parallelism; call the model with "
             "use_cache=False, or generate with easy_context.generate(mode, model, input_ids, ...)"
         )
-    context = _installed
-    groups = context.groups()
-    layout = context.mode.layout(groups.topology)
-    sharded = attention_mask if attention_mask is not None else ShardedMask(None)
     token_index = kwargs.get("seq_parallel_index")
-    if context.document_split and token_index is None:
+    if _installed.document_split and token_index is None:
         raise ValueError(
             "the patch has document_split=True: call the model with "
             "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs"
         )
-    if token_index is not None and not context.document_split:
+    if token_index is not None and not _installed.document_split:
         raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
+    return token_index
+
+
+def _mode_attention(module, query, key, attention_mask, kwargs):
+    """The active mode's attention over the SP group's shards, with this forward's mask."""
+    token_index = _check_mode_call(query, key, kwargs)
+    context = _installed
+    groups = context.groups()
+    layout = context.mode.layout(groups.topology)
+    sharded = attention_mask if attention_mask is not None else ShardedMask(None)
     mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(
         kwargs.get("sliding_window")
     )
 
     def attend(q, k, v, scale, **options):
         return context.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)
+
+    return attend
+
+
+def _compiled_attention(module, query, key, attention_mask, kwargs):
+    """_mode_attention under torch.compile: the mode's attention through the custom operator
+    (compiled.py), which gathers the mask at the forward's first call."""
+    token_index = _check_mode_call(query, key, kwargs)
+    sharded = attention_mask if attention_mask is not None else ShardedMask(None)
+    first = sharded.starts_forward()
+
+    def attend(q, k, v, scale, **options):
+        return compiled.attention(
+            q,
+            k,
+            v,
+            scale,
+            options,
+            position_ids=kwargs.get("position_ids"),
+            padding=sharded.padding,
+            token_index=token_index,
+            window=kwargs.get("sliding_window"),
+            first=first,
+            layer=module,
+        )
 
     return attend
 
@@ -174,13 +217,24 @@ def _make_attention_dispatcher(name):
     return attention
 
 
+# The check reads the closures of the mask function transformers composed for this forward,
+# which Dynamo cannot trace: under torch.compile it runs outside the graph (one graph break
+# per forward, before the decoder layers).
+_check_mask_function_outside_graph = torch.compiler.disable(
+    admission.check_mask_function, reason="reads the closures of the forward's mask function"
+)
+
+
 def _make_mask_dispatcher(name, original):
     def mask(*args, **kwargs):
         if not _is_patched(kwargs.get("config")):
             return original(*args, **kwargs)
         if name not in SUPPORTED_IMPLEMENTATIONS:
             _refuse_implementation(name)
-        admission.check_mask_function(kwargs.get("mask_function"))
+        if torch.compiler.is_compiling():
+            _check_mask_function_outside_graph(kwargs.get("mask_function"))
+        else:
+            admission.check_mask_function(kwargs.get("mask_function"))
         # Resolved at the first attention call, where the position_ids are known.
         return ShardedMask(kwargs.get("attention_mask"))
 
@@ -193,6 +247,7 @@ def install(context) -> None:
     """Make `context` (a SequenceParallel) the one the dispatchers run."""
     global _installed
     _installed = context
+    compiled.register(active)
     if _saved:  # dispatchers already in place; they read `_installed` at call time
         return
     attention_map = AttentionInterface._global_mapping

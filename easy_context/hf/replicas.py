@@ -27,7 +27,7 @@ import torch
 
 from easy_context.core.collectives import all_gather
 
-__all__ = ["check_replicas", "check_every", "ReplicaDriftError"]
+__all__ = ["check_replicas", "check_replica_weights", "check_every", "ReplicaDriftError"]
 
 # Checks every CHECK_EVERY-th forward; 0 turns the guard off. None: read
 # EASY_CONTEXT_REPLICA_CHECK_EVERY (default 16) at the first patched forward, so that a bad
@@ -67,11 +67,12 @@ def _replicated(param: torch.Tensor) -> bool:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> same-width integer
 
 
-def checksum(module: torch.nn.Module, device) -> torch.Tensor:
-    """(1,) int64: the sum of the bit patterns of a fixed sample of the module's replicated
-    weights (wrapping on overflow: any equal inputs give an equal sum)."""
+def checksum(module_or_weights, device) -> torch.Tensor:
+    """(1,) int64: the sum of the bit patterns of a fixed sample of the module's (or the list
+    of weights') replicated weights (wrapping on overflow: any equal inputs give an equal sum)."""
+    weights = module_or_weights.parameters() if isinstance(module_or_weights, torch.nn.Module) else module_or_weights
     total = torch.zeros(1, dtype=torch.int64, device=device)
-    for p in module.parameters():
+    for p in weights:
         if _replicated(p) and p.dtype.is_floating_point:
             sample = p.detach().reshape(-1)[:SAMPLE].contiguous()
             total += sample.view(_BITS[sample.element_size()]).to(device=device, dtype=torch.int64).sum()
@@ -80,16 +81,22 @@ def checksum(module: torch.nn.Module, device) -> torch.Tensor:
 
 def check_replicas(module: torch.nn.Module, group, sp_rank: int, device) -> None:
     """Called once per patched forward on every rank of the SP group (`group` None: one rank)."""
+    check_replica_weights(list(module.parameters()), type(module).__name__, group, sp_rank, device)
+
+
+def check_replica_weights(weights: list, name: str, group, sp_rank: int, device) -> None:
+    """check_replicas for the weights of a module named `name` (the compiled path holds the
+    module's weights, not the module)."""
     global _forwards
     _forwards += 1
     if not _due(_forwards) or group is None:
         return
-    local = checksum(module, device)
+    local = checksum(weights, device)
     sums = torch.cat(all_gather(local, group)).tolist()
     if len(set(sums)) > 1:
         raise ReplicaDriftError(
             f"the ranks of this sequence-parallel group hold different weights (checksums of "
-            f"{type(module).__name__}'s weights by SP rank: {sums}; "
+            f"{name}'s weights by SP rank: {sums}; "
             f"forward {_forwards}, this is SP rank {sp_rank}). Their gradients are not being averaged, "
             "so each rank trains on its own shard of the sequence and the results are wrong. "
             "Wrap the model in DistributedDataParallel or DeepSpeed. With accelerate on a machine "

@@ -44,6 +44,11 @@ FLAG_CASES = [  # (script, flags, message): refused by parse_args before anythin
     ("train.py", ["--save-total-limit", "0"], "--save-total-limit must be >= 1, got 0"),
     ("train.py", ["--skip-nonfinite-steps", "-1"], "--skip-nonfinite-steps must be >= 0, got -1"),
     ("train.py", ["--tiled-mlp", "-1"], "--tiled-mlp must be >= 0, got -1"),
+    (
+        "train.py",
+        ["--compile", "--activation-checkpointing"],
+        "--compile with --activation-checkpointing is not supported",
+    ),
     ("train.py", ["--max-rows", "0"], "--max-rows must be >= 1, got 0"),
     (
         "train.py",
