@@ -44,7 +44,13 @@ HEAD_DIMS = [
     (320, "> 256"),
 ]
 # Probes of optional packages / builds, taken as present so the table does not depend on the machine.
-ASSUMED_PRESENT = ("flash_attn_usable", "flash_attn_has_softcap")
+ASSUMED_PRESENT = (
+    "flash_attn_usable",
+    "flash_attn_has_softcap",
+    "flash_attn_has_window",
+    "flex_usable",
+    "flex_compilable",
+)
 
 
 def features() -> list[str]:

@@ -250,12 +250,14 @@ def available_backends(
     capability: tuple[int, int] | None = None,
     masked: bool = False,
     softcap: bool = False,
+    window: bool = False,
 ) -> list[str]:
     """Backends usable for this device and dtype, fastest first; 'math' is always last.
 
     On CUDA the fused kernels' limits are checked against `head_dim` and the device's compute
     `capability` (None: not checked). masked=True keeps the backends that take a mask,
-    softcap=True those that softcap logits."""
+    softcap=True those that softcap logits, window=True those that run a window (natively or
+    as a mask)."""
     names = []
     if device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         names.append("cpu_flash")
@@ -270,7 +272,7 @@ def available_backends(
         if _flex_fits(dtype, head_dim, capability):  # masks and softcaps no fused kernel takes
             names.append("flex")
     names.append("math")
-    return [n for n in names if _has(n, masked, softcap)]
+    return [n for n in names if _has(n, masked, softcap, window)]
 
 
 @functools.cache

@@ -194,10 +194,10 @@ def test_flex_through_attention_forward_counts_and_checks_like_the_others(monkey
     q, k, v, dout = inputs(4, 2, 32, 32, torch.float32)
     mask = make_mask("block_diagonal", 32, 32)
     monkeypatch.setenv("EASY_CONTEXT_KERNEL", "flex")
-    kernels.FORWARD_CALLS.reset()
+    kernels.FORWARD_CALLS.start()
     out, lse = kernels.attention_forward(q, k, v, False, 0.25, mask=mask, softcap=2.0)
     assert kernels.FORWARD_CALLS.calls == 1
-    kernels.FORWARD_CALLS.reset()
+    kernels.FORWARD_CALLS.start()
     want = kernels.attention_forward(q, k, v, False, 0.25, MATH, mask=mask, softcap=2.0)
     assert_close(out, want[0], 2e-6)
     grads = kernels.attention_backward(dout, q, k, v, out, lse, False, 0.25, mask=mask, softcap=2.0)
