@@ -46,61 +46,74 @@ def _exchange(send: torch.Tensor, group) -> torch.Tensor:
 # cpu_flash's backward copies a dout of any other layout (one more tensor alive at the peak of
 # the backward), and the flash kernels take (B, S, H, D) too. Each direction copies once at a
 # batch of one (packing the send buffer, or unpacking the received one), twice above.
-def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, H, S/U, D), any strides -> (B, H/U, S, D) over (B, S, H/U, D) memory."""
+def _seq_to_heads(xs, group) -> list:
+    """[(B, H_i, S/U, D)], any strides -> [(B, H_i/U, S, D)] views of one (B, S, sum H_i/U, D)
+    memory: one all-to-all for all of them (a single tensor: over (B, S, H/U, D) memory)."""
     size = dist.get_world_size(group)
-    # piece i: heads [i H/U, (i + 1) H/U) of my positions, packed (B, S/U, H/U, D)
-    send = x.unflatten(1, (size, -1)).permute(1, 0, 3, 2, 4).contiguous()
+    # piece i: heads [i H/U, (i + 1) H/U) of each tensor at my positions, packed (B, S/U, sum H_i/U, D)
+    pieces = [x.unflatten(1, (size, -1)).permute(1, 0, 3, 2, 4) for x in xs]
+    send = pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=3)
     received = _exchange(send, group)  # piece j: positions [j S/U, (j + 1) S/U)
-    del send
-    return received.transpose(0, 1).flatten(1, 2).transpose(1, 2)  # a view at B = 1
+    del send, pieces
+    full = received.transpose(0, 1).flatten(1, 2)  # a view at B = 1
+    return [part.transpose(1, 2) for part in full.split([x.shape[1] // size for x in xs], dim=2)]
 
 
-def _heads_to_seq(y: torch.Tensor, group, like=None) -> torch.Tensor:
-    """(B, H/U, S, D) -> (B, H, S/U, D), with the strides of `like` (any device, meta
-    included) or else over (B, S/U, H, D) memory. No copy before sending when y is a view of
-    (B, S, H/U, D) memory at B = 1 (what the kernels return for _seq_to_heads' layout)."""
+def _heads_to_seq(ys, group, likes=None) -> list:
+    """[(B, H_i/U, S, D)] -> [(B, H_i, S/U, D)], with the strides of `likes` (any device, meta
+    included) or else over (B, S/U, H_i, D) memory: one all-to-all for all of them. No copy
+    before sending a single y that is a view of (B, S, H/U, D) memory at B = 1 (what the
+    kernels return for _seq_to_heads' layout)."""
     size = dist.get_world_size(group)
-    # piece i: positions [i S/U, (i + 1) S/U) of my heads, packed (B, S/U, H/U, D)
-    send = y.transpose(1, 2).unflatten(1, (size, -1)).movedim(1, 0).contiguous()
-    received = _exchange(send, group)  # piece j: heads [j H/U, (j + 1) H/U)
-    del send
-    b, heads, seq, d = y.shape
-    if like is None:
-        out = torch.empty(b, seq // size, heads * size, d, dtype=y.dtype, device=y.device).transpose(1, 2)
-    else:
-        out = torch.empty_strided(like.shape, like.stride(), dtype=y.dtype, device=y.device)
-    out.unflatten(1, (size, -1)).copy_(received.permute(1, 0, 3, 2, 4))
-    return out
+    # piece i: positions [i S/U, (i + 1) S/U) of my heads, packed (B, S/U, sum H_i/U, D)
+    pieces = [y.transpose(1, 2).unflatten(1, (size, -1)).movedim(1, 0) for y in ys]
+    send = pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=3)
+    received = _exchange(send, group)  # piece j: heads [j H/U, (j + 1) H/U) of each tensor
+    del send, pieces
+    outs = []
+    for i, (y, part) in enumerate(zip(ys, received.split([y.shape[1] for y in ys], dim=3))):
+        b, heads, seq, d = y.shape
+        if likes is None:
+            out = torch.empty(b, seq // size, heads * size, d, dtype=y.dtype, device=y.device).transpose(1, 2)
+        else:
+            out = torch.empty_strided(likes[i].shape, likes[i].stride(), dtype=y.dtype, device=y.device)
+        out.unflatten(1, (size, -1)).copy_(part.permute(1, 0, 3, 2, 4))
+        outs.append(out)
+    return outs
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        # x's layout (not x: nothing is kept alive), so its gradient obeys autograd's layout
+    def forward(ctx, group, *xs):
+        # xs' layouts (not xs: nothing is kept alive), so their gradients obey autograd's layout
         # contract and a leaf's .grad is not copied once more by AccumulateGrad
-        ctx.group, ctx.like = group, torch.empty_like(x, device="meta")
-        return _seq_to_heads(x, group)
+        ctx.group, ctx.likes = group, [torch.empty_like(x, device="meta") for x in xs]
+        return tuple(_seq_to_heads(xs, group))
 
     @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group, ctx.like), None
+    def backward(ctx, *grads):
+        device = next(g.device for g in grads if g is not None)
+        grads = [torch.zeros_like(like, device=device) if g is None else g for g, like in zip(grads, ctx.likes)]
+        return None, *_heads_to_seq(grads, ctx.group, ctx.likes)
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group):
         ctx.group = group
-        return _heads_to_seq(y, group)
+        return _heads_to_seq([y], group)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return _seq_to_heads([grad], ctx.group)[0], None
 
 
-def seq_to_heads(x, group):
-    """(B, H, S/U, D) on each rank -> (B, H/U, S, D), a view of (B, S, H/U, D) memory."""
-    return _SeqToHeads.apply(x, group)
+def seq_to_heads(x, group, *more):
+    """(B, H, S/U, D) on each rank -> (B, H/U, S, D), a view of (B, S, H/U, D) memory. With more
+    tensors (same dtype and head dim): all in one all-to-all, returned as a tuple of views of
+    one (B, S, sum H_i/U, D) memory."""
+    out = _SeqToHeads.apply(group, x, *more)
+    return out if more else out[0]
 
 
 def heads_to_seq(x, group):
@@ -128,7 +141,12 @@ def ulysses_attention(q, k, v, scale, groups, layer=None, mask=None, softcap=Non
     repeat = math.lcm(kv_heads, degree) // kv_heads
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    q, k, v = (seq_to_heads(x, group) for x in (q, k, v))
+    if groups.ring is None and q.shape[-1] == k.shape[-1] == v.shape[-1] and q.dtype == k.dtype == v.dtype:
+        # one all-to-all for q, k and v (one for their gradients): the K/V it returns are views
+        # of a shared buffer, which only a ring would have to copy before sending
+        q, k, v = seq_to_heads(q, group, k, v)
+    else:
+        q, k, v = (seq_to_heads(x, group) for x in (q, k, v))
     if sinks is not None:  # rank i of the Ulysses group now holds query heads [i H/U, (i + 1) H/U)
         sinks = sinks.unflatten(0, (degree, -1))[dist.get_rank(group)]
     return heads_to_seq(zigzag_ring_attention(q, k, v, scale, groups.ring, mask, softcap, sinks), group)

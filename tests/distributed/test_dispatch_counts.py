@@ -16,15 +16,14 @@ SYNCS_PER_STEP = 20  # plans, the loss's all-reduce, the first forward's checks:
 OPS_RATIO = {"causal": 1.3, "packed": 1.5, "window": 1.5}  # issue 29's bounds
 DECODING_OPS_RATIO = 1.25
 # Not there yet (worst rank, measured): these keep what was gained and are the open part of
-# issue 29, not its bounds. Packed rows cut a zigzag shard into more blocks (1.60x); LightSeq's
-# balanced schedule gives rank 1 extra units (1.36x); ulysses_attn does 8 all-to-alls per layer
-# (q, k, v, out and their gradients, each with its layout copies: 1.34x, 1.66x).
+# issue 29, not its bounds. Packed rows: one kernel call per document piece and its merge (1.60x
+# zigzag, 1.62x ulysses; a variable-length kernel call would take them all at once); LightSeq's
+# balanced schedule gives rank 1 extra units (1.36x).
 NOT_YET = {
     ("zigzag_ring_attn", "packed"): 1.65,
     ("usp_attn", "packed"): 1.65,
+    ("ulysses_attn", "packed"): 1.65,
     ("dist_flash_attn", "causal"): 1.4,
-    ("ulysses_attn", "causal"): 1.4,
-    ("ulysses_attn", "packed"): 1.7,
 }
 
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_kernels import assert_close, inputs, make_mask, reference
+from test_kernels import assert_close, inputs, make_mask, reference, window_truth
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from easy_context.core import kernel_backends, kernels
@@ -246,7 +246,12 @@ def test_cuda_efficient_logic_against_a_stand_in_kernel(
 
 
 # ------------------------------------------------------------------ fake flash_attn
-def _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv):
+def _window(sq, sk, window):
+    """flash_attn's window rule as a bool (Sq, Sk) mask, None for no window."""
+    return None if tuple(window) == (-1, -1) else window_truth(sq, sk, tuple(window))
+
+
+def _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv, window=(-1, -1)):
     """(B, S, H, D) in, like flash_attn: float64 gradients written into dq/dk/dv. Closed form,
     since autograd is off inside an op's kernel."""
     t = lambda x: x.transpose(1, 2).double()  # noqa: E731
@@ -255,6 +260,9 @@ def _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv):
     scores = qd @ kd.transpose(-1, -2) * softmax_scale
     if causal:
         scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    allowed = _window(q.shape[1], k.shape[1], window)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
     probs = scores.softmax(-1)
     ds = probs * (dod @ vd.transpose(-1, -2) - (dod * (probs @ vd)).sum(-1, keepdim=True)) * softmax_scale
     per_kv_head = lambda g: g.unflatten(1, (n_kv, rep)).sum(2)  # noqa: E731
@@ -276,9 +284,9 @@ def fake_flash_attn_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    assert q.stride(-1) == 1 and dropout_p == 0.0 and window_size == (-1, -1)
+    assert q.stride(-1) == 1 and dropout_p == 0.0
     t = lambda x: x.transpose(1, 2)  # noqa: E731
-    out, lse = reference(t(q), t(k), t(v), causal, softmax_scale)
+    out, lse = reference(t(q), t(k), t(v), causal, softmax_scale, _window(q.shape[1], k.shape[1], window_size))
     out = t(out).to(q.dtype).contiguous()  # flash_attn returns (B, S, H, D)
     return (out, lse.float(), torch.empty(0, dtype=q.dtype)) if return_attn_probs else out
 
@@ -305,8 +313,8 @@ def flash_attn_2_8_backward(
     deterministic: bool,
     rng_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    assert (dropout_p, window_size_left, window_size_right, softcap, alibi_slopes) == (0.0, -1, -1, 0.0, None)
-    _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
+    assert (dropout_p, softcap, alibi_slopes) == (0.0, 0.0, None)
+    _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv, (window_size_left, window_size_right))
     return torch.zeros(q.shape[0], q.shape[2], q.shape[1])  # softmax_d
 
 
@@ -329,8 +337,8 @@ def flash_attn_2_6_backward(
     deterministic,
     rng_state=None,
 ):
-    assert (dropout_p, window_size, softcap, alibi_slopes) == (0.0, (-1, -1), 0.0, None)
-    _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv)
+    assert (dropout_p, softcap, alibi_slopes) == (0.0, 0.0, None)
+    _reference_grads_into(dout, q, k, v, softmax_scale, causal, dq, dk, dv, window_size)
 
 
 def flash_attn_2_0_backward(
@@ -348,7 +356,8 @@ def fake_flash_attn(backward, module=kernel_backends):
     package = types.ModuleType("flash_attn")
     package.flash_attn_interface = interface
     saved = {name: sys.modules.get(name) for name in (package.__name__, interface.__name__)}
-    caches = [getattr(module, n) for n in ("_flash_attn_module", "flash_attn_usable", "flash_attn_has_softcap")]
+    names = ("_flash_attn_module", "flash_attn_usable", "flash_attn_has_softcap", "flash_attn_has_window")
+    caches = [getattr(module, n) for n in names]
     sys.modules.update({package.__name__: package, interface.__name__: interface})
     for cache in caches:
         cache.cache_clear()
@@ -531,3 +540,45 @@ def test_capability_is_queried_once_per_device(cuda_lookups, monkeypatch):
     assert kernels.select_backend(fake_q(torch.float16, 64, index=1), masked=True).name == "cuda_efficient"
     with pytest.raises(ValueError, match="usable here"):
         kernels.select_backend(fake_q(torch.float16, 64))  # sm75: no flash
+
+
+@pytest.mark.parametrize("backward", [flash_attn_2_8_backward, flash_attn_2_6_backward], ids=["2.8", "2.6"])
+@pytest.mark.parametrize("window", [(9, 0), (13, -1), (4, 3)])
+def test_flash_attn_runs_windows_natively_in_both_directions(backward, window):
+    """A window block goes to flash_attn's own window (releases >= 2.3), no mask built."""
+    q, k, v, dout = inputs(4, 2, 24, 40, torch.float32, layout="bshd", seed=5)
+    be = kernels.BACKENDS["flash_attn"]
+    with fake_flash_attn(backward):
+        out, lse = kernels.attention_forward(q, k, v, False, 0.3, be, window=window)
+        grads = kernels.attention_backward(dout, q, k, v, out, lse, False, 0.3, be, window=window)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference(qr, kr, vr, False, 0.3, window_truth(24, 40, window))
+    ref_out.backward(dout.double())
+    assert_close(out, ref_out, 1e-6)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        assert_close(got, want, 1e-6 * max(1.0, want.abs().max().item()))
+
+
+def test_flash_attn_releases_without_windows_are_not_given_one():
+    with fake_flash_attn(flash_attn_2_0_backward):
+        assert not kernel_backends.flash_attn_has_window()
+
+
+def test_cuda_flash_window_calls_match_the_op_schemas():
+    """A window goes to the flash op under SDPA's, which takes window_size_left/right, in the
+    (B, S, H, D) layout HF's tensors are transposes of (no copies)."""
+    q, k, v, dout = meta_inputs(8, 2, 40, 72, torch.bfloat16)
+    with CallRecorder() as rec:
+        out, lse = kernel_backends.cuda_flash_forward(q, k, v, False, 0.125, window=(31, 0))
+        dq, dk, dv = kernel_backends.cuda_flash_backward(dout, q, k, v, out, lse, False, 0.125, window=(31, 0))
+    forward = rec.only(aten._flash_attention_forward.default)
+    assert forward["query"].shape == (2, 40, 8, 64) and forward["key"].shape == (2, 72, 2, 64)
+    assert forward["query"].stride(-1) == 1 and forward["cum_seq_q"] is None
+    assert (forward["max_q"], forward["max_k"], forward["is_causal"], forward["scale"]) == (40, 72, False, 0.125)
+    assert (forward["window_size_left"], forward["window_size_right"]) == (31, 0)
+    backward = rec.only(aten._flash_attention_backward.default)
+    assert (backward["window_size_left"], backward["window_size_right"], backward["is_causal"]) == (31, 0, False)
+    assert backward["cum_seq_q"] is None and backward["logsumexp"].shape == (2, 8, 40)
+    assert aten.repeat_interleave not in rec.ops()
+    assert out.shape == q.shape and lse.shape == (2, 8, 40)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
