@@ -240,7 +240,7 @@ def run_mode(spec, world: int = 2) -> dict:
             p.join(1800)
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"{spec['mode']}: a rank failed (exit codes {[p.exitcode for p in procs]})")
-        return torch.load(f"{workdir}/result0.pt", weights_only=False)
+        return torch.load(f"{workdir}/result{os.environ.get('COUNT_RANK', 0)}.pt", weights_only=False)
 
 
 def main() -> None:

@@ -96,9 +96,10 @@ def _shifted(blocks: Sequence[Block], rows: slice, q_len: int) -> Sequence[Block
     return shifted
 
 
-def _transfer(group, me, units, sender, receiver, payload, template) -> Pending:
+def _transfer(group, me, units, sender, receiver, payload, template, payload_is_template=False) -> Pending:
     """For each unit whose sender(u) and receiver(u) differ, send payload(i, u) from the sender
     to the receiver, into buffers made by template(u) = [(like, dtype)]. Returns {i: buffers}.
+    payload_is_template: the payload has the template's layout (the sender skips making it).
     Both sides post in unit order, so messages between two ranks match."""
     sends, recvs, received = [], [], {}
     for i, unit in enumerate(units):
@@ -106,7 +107,9 @@ def _transfer(group, me, units, sender, receiver, payload, template) -> Pending:
         if src == dst or me not in (src, dst):
             continue
         if me == src:
-            sends += [(dst, tensor, like) for tensor, (like, _) in zip(payload(i, unit), template(unit))]
+            tensors = payload(i, unit)
+            likes = tensors if payload_is_template else [like for like, _ in template(unit)]
+            sends += [(dst, tensor, like) for tensor, like in zip(tensors, likes)]
         else:
             received[i] = [buffer_like(like, dtype) for like, dtype in template(unit)]
             recvs += [(src, buffer) for buffer in received[i]]
@@ -147,8 +150,18 @@ class _Run:
                 _worker,
                 lambda i, u: [self.rows(u, x) for x in q_side],
                 q_template,
+                payload_is_template=True,
             ),
-            _transfer(self.group, self.me, units, _kv_owner, _worker, lambda i, u: list(kv), kv_template),
+            _transfer(
+                self.group,
+                self.me,
+                units,
+                _kv_owner,
+                _worker,
+                lambda i, u: list(kv),
+                kv_template,
+                payload_is_template=True,
+            ),
         )
 
     def rounds(self, q_side, kv):
