@@ -8,7 +8,7 @@ launch costs 5-10 us whatever its size. A TorchDispatchMode sees every aten op o
               torch.equal/allclose): each is a device-to-host sync on CUDA
   ops         every dispatched aten op; roughly one kernel launch each on CUDA (views included,
               so this overcounts launches a little, the same way for us and for HF)
-Each case runs a tiny model with 2 and 4 layers on P=2 gloo ranks (rank 0's counts) and in one
+Each case runs a tiny model with 2 and 4 layers on P=2 gloo ranks (the worse rank's counts) and in one
 process unpatched (the same model on the whole sequence); the difference between the layer
 counts is the per-layer cost, the 4-layer count the per-step cost.
   training   one forward + backward of a causal LM loss, after a warm-up step
@@ -31,6 +31,12 @@ __all__ = ["DispatchCounts", "HOST_SYNC_OPS", "count_case", "rank_counts", "refe
 
 # aten ops whose result is read on the host; on CUDA each waits for the stream.
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose", "item"})
+# Ops that only make a view (new sizes and strides over the same memory): no kernel on CUDA.
+VIEW_OPS = frozenset(
+    {"view", "_unsafe_view", "slice", "select", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze",
+     "alias", "detach", "as_strided", "unflatten", "split", "split_with_sizes", "narrow", "unbind", "movedim",
+     "_reshape_alias", "view_as"}
+)  # fmt: skip
 MASKS = ("causal", "packed", "window")
 MODES = ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn")
 OPTIONS = {"usp_attn": {"ring_degree": 2}}  # at P=2: the ring inside usp (pure Ulysses is ulysses_attn)
@@ -54,12 +60,15 @@ class DispatchCounts(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.syncs = 0
+        self.launches = 0  # ops that are not views: about one kernel launch each on CUDA
         self.by_op = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         name = func.overloadpacket.__name__
         self.by_op[name] += 1
+        if name not in VIEW_OPS:
+            self.launches += 1
         if name in _TRACE:
             self.by_op[(name, _caller())] += 1
         if name in HOST_SYNC_OPS:
@@ -125,6 +134,7 @@ def _measure(build, train, decode, spec) -> dict:
         for layers in (2, 4):
             counts = count_case(train(build(mask, layers), mask))
             results[("train", mask, layers)] = (counts.ops, counts.syncs)
+            results[("launches", mask, layers)] = counts.launches
             results[("by_op", mask, layers)] = counts.by_op
     if spec["decode"]:
         for layers in (2, 4):
@@ -189,6 +199,11 @@ def per_layer(results: dict, case: tuple) -> tuple[float, int]:
     return (ops4 - ops2) / 2, max(syncs2, syncs4)
 
 
+def launches_per_layer(results: dict, mask: str) -> float:
+    """Non-view ops per layer of one training mask."""
+    return (results[("launches", mask, 4)] - results[("launches", mask, 2)]) / 2
+
+
 def per_token(results: dict, tokens: tuple[int, int]) -> dict:
     """Per new token: ops per layer, host syncs per layer and host syncs per token."""
     n1, n2 = tokens
@@ -231,7 +246,8 @@ def _rank_entry(rank, world, spec, workdir):
         dist.destroy_process_group()
 
 
-def run_mode(spec, world: int = 2) -> dict:
+def run_mode(spec, world: int = 2) -> list[dict]:
+    """Every rank's counts (rank order)."""
     from benchmarks.harness import start_ranks
 
     with tempfile.TemporaryDirectory() as workdir:
@@ -240,7 +256,7 @@ def run_mode(spec, world: int = 2) -> dict:
             p.join(1800)
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"{spec['mode']}: a rank failed (exit codes {[p.exitcode for p in procs]})")
-        return torch.load(f"{workdir}/result{os.environ.get('COUNT_RANK', 0)}.pt", weights_only=False)
+        return [torch.load(f"{workdir}/result{rank}.pt", weights_only=False) for rank in range(world)]
 
 
 def main() -> None:
@@ -256,21 +272,30 @@ def main() -> None:
         f"P=2 gloo ranks (rank 0), tiny Llama/Mistral (hidden 64, 4 q / 2 kv heads), S={args.seq_len}, "
         f"window {args.window}; unpatched: one process, whole sequence\n"
     )
-    print("| mode | case | host syncs per step | (unpatched) | ops per layer | (unpatched) | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| mode | case | host syncs per step | (unpatched) | ops per layer | (unpatched) | ratio "
+        "| non-view ops per layer | (unpatched) | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
-        results = run_mode({**base, "mode": mode})
+        ranks = run_mode({**base, "mode": mode})
         for mask in MASKS:
-            ops, syncs = per_layer(results, ("train", mask))
+            ops = max(per_layer(r, ("train", mask))[0] for r in ranks)
+            syncs = max(per_layer(r, ("train", mask))[1] for r in ranks)
+            launches = max(launches_per_layer(r, mask) for r in ranks)
             ref_ops, ref_syncs = per_layer(reference, ("train", mask))
+            ref_launches = launches_per_layer(reference, mask)
             print(
-                f"| {mode} | train, {mask} | {syncs} | {ref_syncs} | {ops:.0f} | {ref_ops:.0f} | {ops / ref_ops:.2f} |"
+                f"| {mode} | train, {mask} | {syncs} | {ref_syncs} | {ops:.0f} | {ref_ops:.0f} | {ops / ref_ops:.2f} "
+                f"| {launches:.0f} | {ref_launches:.0f} | {launches / ref_launches:.2f} |"
             )
-        ours, theirs = per_token(results, base["decode_tokens"]), per_token(reference, base["decode_tokens"])
+        tokens = base["decode_tokens"]
+        ours = {key: max(per_token(r, tokens)[key] for r in ranks) for key in per_token(ranks[0], tokens)}
+        theirs = per_token(reference, tokens)
         print(
             f"| {mode} | decoding, per token | {ours['syncs_per_token']:.2f} (per layer {ours['syncs_per_layer']:.2f})"
             f" | {theirs['syncs_per_token']:.2f} | {ours['ops_per_layer']:.1f} | {theirs['ops_per_layer']:.1f} | "
-            f"{ours['ops_per_layer'] / theirs['ops_per_layer']:.2f} |"
+            f"{ours['ops_per_layer'] / theirs['ops_per_layer']:.2f} | | | |"
         )
 
 
