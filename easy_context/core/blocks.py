@@ -60,10 +60,10 @@ class Kernels:
     """The backends for one attention call (plain blocks and window blocks) and the logit
     softcap every block applies (None: none)."""
 
-    def __init__(self, q, masked: bool, softcap=None):
+    def __init__(self, q, softcap=None):
         self.softcap = softcap or None
         self.plain = select_backend(q, softcap=bool(softcap))
-        self.windowed = select_backend(q, softcap=bool(softcap), window=True) if masked else None
+        self.windowed = select_backend(q, softcap=bool(softcap), window=True)
 
     def __call__(self, block: Block):
         return self.plain if block.window is None else self.windowed

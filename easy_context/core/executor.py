@@ -177,7 +177,7 @@ class _Run:
 
 def _forward(q, k, v, scale, run: _Run, sinks=None):
     plan, me, acc = run.plan, run.me, accumulation_dtype(q.dtype)
-    kernels = Kernels(q, plan.masked, run.softcap)
+    kernels = Kernels(q, run.softcap)
     lse_like = torch.empty(q.shape[:3], dtype=acc, device=q.device)  # the shape of a returned lse
     state = None
 
@@ -227,7 +227,7 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
 
 def _backward(dout, q, k, v, out, lse, scale, run: _Run):
     plan, me, acc = run.plan, run.me, accumulation_dtype(q.dtype)
-    kernels = Kernels(q, plan.masked, run.softcap)
+    kernels = Kernels(q, run.softcap)
     lse = safe_lse(lse, plan.masked)
     grads = [None, None, None]  # this rank's dQ, dK, dV (fp32), started at the first contribution
 
