@@ -135,3 +135,56 @@ def test_per_row_layouts_cover_each_allowed_pair_exactly_once():
             for kr in range(ring):
                 want = torch.stack([truth[b][index[qr][b]][:, index[kr][b]] for b in range(2)]).long()
                 assert torch.equal(coverage(mask, index[qr], index[kr]), want), (window, qr, kr)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_masks_and_layouts_cover_each_allowed_pair_exactly_once(seed):
+    """The window planner (runs joined into bands and their clipped edges) on random packed,
+    padded and windowed rows, every layout's shard pairs."""
+    rng = random.Random(seed)
+    layout = rng.choice([Layout(True, 2), Layout(True, 4), Layout(False, 3), Layout(True, 2, 2)])
+    seq = rng.choice([8, 24, 40]) * layout.multiple
+    positions = torch.stack([random_row(seq, rng) if rng.random() < 0.6 else torch.arange(seq) for _ in range(2)])
+    valid = None
+    if rng.random() < 0.4:
+        valid = torch.stack([torch.arange(seq) >= rng.randrange(seq // 2), torch.arange(seq) < seq - rng.randrange(9)])
+    window = rng.choice([None, 1, 2, 7, 33, seq // 3])
+    mask = SequenceMask.from_positions(positions, valid).with_window(window)
+    truth = allowed_matrix(mask.first_key, mask.window)
+    for qr in range(layout.size):
+        for kr in range(layout.size):
+            qi, ki = layout.local_indices(seq, qr), layout.local_indices(seq, kr)
+            want = truth[:, qi][:, :, ki]
+            got = coverage(mask, qi, ki).expand_as(want)
+            assert torch.equal(got, want.long()), (seed, layout.name, qr, kr, window)
+
+
+def test_window_plans_cost_the_same_at_any_length():
+    """A sliding window plans as a few window blocks per shard pair, the same number at 2K and
+    32K tokens, with a bounded number of host reads (no per-row `.item()`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero", "equal"):
+                HostReads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    layout, plans = Layout(True, 2), {}
+    for seq in (2048, 32768):
+        mask = SequenceMask.from_positions(torch.arange(seq)[None]).with_window(256)
+        HostReads.count = 0
+        with HostReads():
+            plans[seq] = [
+                [
+                    (b.causal, b.window)
+                    for b in mask.blocks((q, k), layout.local_indices(seq, q), layout.local_indices(seq, k))
+                ]
+                for q in range(2)
+                for k in range(2)
+            ]
+        assert HostReads.count <= 8, (seq, HostReads.count)
+    assert plans[2048] == plans[32768]
+    assert max(len(pair) for pair in plans[32768]) <= 2
