@@ -74,6 +74,9 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
     the first merge on); returns the new state. Rows no block reaches have out 0, lse -inf."""
     out, lse = state if state is not None else (None, None)
     acc = accumulation_dtype(q.dtype)
+    # Rows of a state this call made that no block has reached yet take a block's result as it
+    # is (two copies instead of a merge's six kernels: a merge into nothing is that result).
+    written = [] if state is None else None
     for block in blocks:
         block_out, block_lse = attention_forward(
             _part(q, block, block.q),
@@ -86,14 +89,30 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
             window=block.window,
         )
         if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
-            out, lse = block_out, block_lse.contiguous()  # no copy if nothing is merged in
+            out, lse, written = block_out, block_lse.contiguous(), None  # no copy if nothing is merged in
             continue
         if out is None:
             out, lse = empty_state(q, acc)
         elif out.dtype != acc:  # the first merge: accumulate in fp32 from here on
             out, lse = out.to(acc), lse.to(acc)
+        if written is not None and not any(_overlap(block, other, q.shape) for other in written):
+            _part(out, block, block.q).copy_(block_out)
+            _part(lse, block, block.q).copy_(block_lse)
+            written.append(block)
+            continue
         merge_block(_part(out, block, block.q), _part(lse, block, block.q), block_out, block_lse)
     return (out, lse) if out is not None else None
+
+
+def _overlap(a: Block, b: Block, shape) -> bool:
+    """Whether two blocks share a (batch row, query row)."""
+
+    def meet(x: slice, y: slice, n: int) -> bool:
+        x0, x1, _ = x.indices(n)
+        y0, y1, _ = y.indices(n)
+        return max(x0, y0) < min(x1, y1)
+
+    return meet(a.batch, b.batch, shape[0]) and meet(a.q, b.q, shape[2])
 
 
 def empty_state(q, acc):

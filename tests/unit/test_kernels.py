@@ -460,6 +460,7 @@ def test_cpu_band_tiles_match_the_reference(monkeypatch, window):
     from easy_context.core import kernel_backends
 
     monkeypatch.setattr(kernel_backends, "BAND_TILE_ROWS", 16)
+    monkeypatch.setattr(kernel_backends, "BAND_WHOLE_PRODUCTS", 0)
     sq, sk = 72, 110
     assert len(kernel_backends.band_tiles(sq, sk, window)) > 1
     q, k, v, dout = inputs(4, 2, sq, sk, torch.float32, layout="bshd", seed=4)
