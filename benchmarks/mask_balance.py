@@ -36,7 +36,7 @@ def packed_mask(lengths) -> SequenceMask:
 
 def computed(blocks) -> int:
     total = 0
-    for block in blocks:
+    for block in (part for b in blocks for part in b.split()):
         nq, nk = block.q.stop - block.q.start, block.kv.stop - block.kv.start
         total += nq * (nq + 1) // 2 if block.causal else nq * nk
     return total

@@ -29,15 +29,21 @@ __all__ = [
 ]
 
 
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_block(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, block_has_empty_rows=True
+) -> None:
     """Fold one block's (out, lse) into running fp32 accumulators, in place.
 
     out = (e^lse out + e^block_lse block_out) / (e^lse + e^block_lse), written as a lerp with
     weight sigmoid(block_lse - lse): no exponent of a raw log-sum-exp is taken. Rows without
     any key so far or in this block have lse = -inf; the NaN of (-inf) - (-inf) means
-    "nothing on either side" and becomes weight 0.
+    "nothing on either side" and becomes weight 0. block_has_empty_rows=False: every row of
+    the block attends some key (a planned block), so no NaN can arise and none is looked for.
     """
-    weight = torch.sigmoid(block_lse - lse).nan_to_num_(0.0).unsqueeze(-1)
+    weight = torch.sigmoid(block_lse - lse)
+    if block_has_empty_rows:
+        weight = weight.nan_to_num_(0.0)
+    weight = weight.unsqueeze(-1)
     torch.logaddexp(lse, block_lse, out=lse)
     out.lerp_(block_out.to(out.dtype), weight)
 
@@ -57,15 +63,25 @@ def _part(x: torch.Tensor, block: Block, rows: slice) -> torch.Tensor:
 
 
 class Kernels:
-    """The backends for one attention call (plain blocks and window blocks) and the logit
-    softcap every block applies (None: none)."""
+    """The backends for one attention call (plain blocks, window blocks, and blocks of packed
+    documents) and the logit softcap every block applies (None: none)."""
 
     def __init__(self, q, softcap=None):
         self.softcap = softcap or None
         self.plain = select_backend(q, softcap=bool(softcap))
         self.windowed = select_backend(q, softcap=bool(softcap), window=True)
+        self.segmented = select_backend(q, softcap=bool(softcap), window=True, segments=True)  # None: no such kernel
 
-    def __call__(self, block: Block):
+    def calls(self, block: Block) -> list[tuple[Block, object]]:
+        """(block, backend) for each kernel call of `block`: one, or one per document where no
+        backend here takes documents in one call."""
+        if block.segments is not None:
+            if self.segmented is not None:
+                return [(block, self.segmented)]
+            return [(part, self._single(part)) for part in block.split()]
+        return [(block, self._single(block))]
+
+    def _single(self, block: Block):
         return self.plain if block.window is None else self.windowed
 
 
@@ -77,16 +93,17 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
     # Rows of a state this call made that no block has reached yet take a block's result as it
     # is (two copies instead of a merge's six kernels: a merge into nothing is that result).
     written = [] if state is None else None
-    for block in blocks:
+    for block, backend in (call for b in blocks for call in kernels.calls(b)):
         block_out, block_lse = attention_forward(
             _part(q, block, block.q),
             _part(k, block, block.kv),
             _part(v, block, block.kv),
             block.causal,
             scale,
-            kernels(block),
+            backend,
             softcap=kernels.softcap,
             window=block.window,
+            segments=block.segments,
         )
         if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
             out, lse, written = block_out, block_lse.contiguous(), None  # no copy if nothing is merged in
@@ -100,7 +117,8 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
             _part(lse, block, block.q).copy_(block_lse)
             written.append(block)
             continue
-        merge_block(_part(out, block, block.q), _part(lse, block, block.q), block_out, block_lse)
+        # planned blocks leave out rows with nothing to attend: no row of theirs is empty
+        merge_block(_part(out, block, block.q), _part(lse, block, block.q), block_out, block_lse, False)
     return (out, lse) if out is not None else None
 
 
@@ -169,7 +187,7 @@ def backward_blocks(
     (dq, dk, dv) fp32 accumulators (None: not started); returns the new grads."""
     dq, dk, dv = grads
     acc = accumulation_dtype(q.dtype)
-    for block in blocks:
+    for block, backend in (call for b in blocks for call in kernels.calls(b)):
         rows = block.q
         block_dq, block_dk, block_dv = attention_backward(
             _part(dout, block, rows),
@@ -180,9 +198,10 @@ def backward_blocks(
             _part(lse, block, rows),
             block.causal,
             scale,
-            kernels(block),
+            backend,
             softcap=kernels.softcap,
             window=block.window,
+            segments=block.segments,
         )
         dq = _accumulate(dq, block, rows, block_dq, q, acc)
         dk = _accumulate(dk, block, block.kv, block_dk, k, acc)

@@ -40,7 +40,7 @@ from easy_context.core.blocks import (
     sinks_grad,
 )
 from easy_context.core.kernels import accumulation_dtype
-from easy_context.core.masking import Block
+from easy_context.core.masking import FULL_ROWS, Block
 from easy_context.core.p2p import Pending, buffer_like, exchange
 from easy_context.core.remat import AttentionOutputCache, in_backward
 
@@ -94,6 +94,21 @@ def _shifted(blocks: Sequence[Block], rows: slice, q_len: int) -> Sequence[Block
         first, last, _ = block.q.indices(length)
         shifted.append(block._replace(q=slice(start + first, start + last)))
     return shifted
+
+
+def _split_apart(blocks: Sequence[Block], rows: slice, q_len: int) -> bool:
+    """Whether a unit of some of the owner's rows is computed apart from the running state:
+    when it is one kernel call over all of its rows, its result is those rows' partial,
+    merged in one go with the part of the unit another rank computed (the middle round of
+    dist_flash's schedule splits a unit between its two ranks)."""
+    whole = len(blocks) == 1 and blocks[0].q == FULL_ROWS and blocks[0].batch == FULL_ROWS
+    return whole and not _covers_all(rows, q_len)
+
+
+def _tile_all_rows(rows: Sequence[slice], q_len: int) -> bool:
+    """Whether row ranges, in order, cover 0..q_len once."""
+    ends = [0] + [r.stop for r in rows]
+    return len(rows) > 1 and ends[-1] == q_len and all(r.start == end for r, end in zip(rows, ends))
 
 
 def _transfer(group, me, units, sender, receiver, payload, template, payload_is_template=False) -> Pending:
@@ -181,26 +196,37 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
     lse_like = torch.empty(q.shape[:3], dtype=acc, device=q.device)  # the shape of a returned lse
     state = None
 
-    def merge_returned(returning):
+    def merge_parts(parts):
+        """Fold (rows, out, lse) of one round into the state: parts whose rows tile all of them
+        (a unit split between its two owners) as one merge over all rows."""
         nonlocal state
-        units, pending = returning
-        for i, (block_out, block_lse) in pending.wait().items():
-            if state is None or state[0].dtype != acc:
-                state = empty_state(q, acc) if state is None else (state[0].to(acc), state[1].to(acc))
-            r = plan.rows(units[i])
-            merge_block(rows_view(state[0], r), rows_view(state[1], r), block_out, block_lse)
+        if not parts:
+            return
+        if state is None or state[0].dtype != acc:
+            state = empty_state(q, acc) if state is None else (state[0].to(acc), state[1].to(acc))
+        parts.sort(key=lambda part: part[0].start)
+        if _tile_all_rows([r for r, _, _ in parts], q.shape[2]):
+            parts = [(FULL_ROWS, *(torch.cat(x, dim=2) for x in list(zip(*parts))[1:]))]
+        for r, block_out, block_lse in parts:
+            merge_block(rows_view(state[0], r), rows_view(state[1], r), block_out, block_lse, plan.masked)
+
+    def merge_returned(returning):
+        units, pending, parts = returning
+        merge_parts(parts + [(plan.rows(units[i]), *result) for i, result in pending.wait().items()])
 
     returning = None
     for units, fetched_q, fetched_kv in run.rounds([q], [k, v]):
-        results = {}
+        results, parts = {}, []
         for i, u in enumerate(units):
             if u.worker != me:
                 continue
             uk, uv = fetched_kv.get(i, (k, v))
-            if u.q_owner == me:
-                state = forward_blocks(
-                    q, uk, uv, _shifted(plan.blocks(u), plan.rows(u), q.shape[2]), scale, kernels, state
-                )
+            if u.q_owner == me and _split_apart(plan.blocks(u), plan.rows(u), q.shape[2]):
+                # some of my rows in one call: merged with the rows computed for me this round
+                parts.append((plan.rows(u), *forward_blocks(run.rows(u, q), uk, uv, plan.blocks(u), scale, kernels)))
+            elif u.q_owner == me:
+                blocks = _shifted(plan.blocks(u), plan.rows(u), q.shape[2])
+                state = forward_blocks(q, uk, uv, blocks, scale, kernels, state)
             else:
                 uq = fetched_q[i][0]
                 results[i] = list(finish_forward(uq, forward_blocks(uq, uk, uv, plan.blocks(u), scale, kernels)))
@@ -219,7 +245,10 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
                     lambda i, u, results=results: results[i],
                     lambda u: [(run.rows(u, q), None), (run.rows(u, lse_like), None)],
                 ),
+                parts,
             )
+        else:
+            merge_parts(parts)
     if returning is not None:
         merge_returned(returning)
     return finish_forward(q, state, sinks)
@@ -231,12 +260,21 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
     lse = safe_lse(lse, plan.masked)
     grads = [None, None, None]  # this rank's dQ, dK, dV (fp32), started at the first contribution
 
-    def add_returned(returning):
-        units, dq_pending, dkv_pending = returning
-        for i, (block_dq,) in dq_pending.wait().items():
+    def add_dq(parts):
+        """Add (rows, dQ rows) of one round; parts that tile all rows as one addition."""
+        if not parts:
+            return
+        parts.sort(key=lambda part: part[0].start)
+        if _tile_all_rows([r for r, _ in parts], q.shape[2]):
+            parts = [(FULL_ROWS, torch.cat([g for _, g in parts], dim=2))]
+        for r, block_dq in parts:
             if grads[0] is None:
                 grads[0] = torch.zeros_like(q, dtype=acc)
-            run.rows(units[i], grads[0]).add_(block_dq)
+            rows_view(grads[0], r).add_(block_dq)
+
+    def add_returned(returning):
+        units, dq_pending, dkv_pending, dq_parts = returning
+        add_dq(dq_parts + [(plan.rows(units[i]), block_dq) for i, (block_dq,) in dq_pending.wait().items()])
         for block_dk, block_dv in dkv_pending.wait().values():
             grads[1] = block_dk if grads[1] is None else grads[1].add_(block_dk)
             grads[2] = block_dv if grads[2] is None else grads[2].add_(block_dv)
@@ -244,26 +282,29 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
     returning = None
     for units, fetched_q, fetched_kv in run.rounds([q, dout, out, lse], [k, v]):
         partial = {}  # unit index -> [dQ rows or None, dK or None, dV or None] for other ranks
+        dq_parts = []  # (rows, dQ) of my split units, added with the rows computed for me this round
         for i, u in enumerate(units):
             if u.worker != me:
                 continue
             uk, uv = fetched_kv.get(i, (k, v))
             own_kv = u.kv_owner == me
-            if u.q_owner == me:
+            kv_grads = grads[1:] if own_kv else (None, None)
+            if u.q_owner == me and not _split_apart(plan.blocks(u), plan.rows(u), q.shape[2]):
                 blocks = _shifted(plan.blocks(u), plan.rows(u), q.shape[2])
+                dq, dk, dv = backward_blocks(dout, q, uk, uv, out, lse, blocks, scale, kernels, (grads[0], *kv_grads))
+                grads[0] = dq
+            elif u.q_owner == me:
                 dq, dk, dv = backward_blocks(
-                    dout,
-                    q,
+                    *(run.rows(u, x) for x in (dout, q)),
                     uk,
                     uv,
-                    out,
-                    lse,
-                    blocks,
+                    *(run.rows(u, x) for x in (out, lse)),
+                    plan.blocks(u),
                     scale,
                     kernels,
-                    (grads[0], *(grads[1:] if own_kv else (None, None))),
+                    (None, *kv_grads),
                 )
-                grads[0] = dq
+                dq_parts.append((plan.rows(u), dq))
             else:
                 uq, udout, uout, ulse = fetched_q[i]
                 dq, dk, dv = backward_blocks(
@@ -276,7 +317,7 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
                     plan.blocks(u),
                     scale,
                     kernels,
-                    (None, *(grads[1:] if own_kv else (None, None))),
+                    (None, *kv_grads),
                 )
             if own_kv:
                 grads[1], grads[2] = dk, dv
@@ -303,6 +344,7 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
                 lambda i, u, partial=partial: partial[i][1:],
                 lambda u: [(k, acc), (v, acc)],
             ),
+            dq_parts,
         )
     if returning is not None:
         add_returned(returning)

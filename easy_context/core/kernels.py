@@ -22,6 +22,11 @@ Windows: a backend with supports_window takes window=(left, right), flash_attn's
 (bottom-right aligned: query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right,
 -1 unlimited), alone or with a mask.
 
+Documents: a backend with supports_segments takes segments=(0, s1, ..., Sq) for a square block
+(Sq == Sk): rows [s_i, s_i+1) attend only keys [s_i, s_i+1), each square causal or in the
+window as the call says (flash's variable-length call, cu_seqlens). No other backend takes
+them: the caller runs such a block one document at a time (masking.Block.split).
+
 Backends, picked per call from the tensors' device, dtype and head dim (override with
 EASY_CONTEXT_KERNEL):
   cpu_flash       torch's fused CPU flash-attention op (private aten op, pinned by tests); masks
@@ -98,6 +103,7 @@ class Backend(NamedTuple):
     supports_mask: bool = False  # forward/backward take a (B or 1, 1, Sq, Sk) bool mask last
     supports_softcap: bool = False  # forward/backward take softcap=c (logits c * tanh(s / c))
     supports_window: bool = False  # forward/backward take window=(left, right) (see masking.Block)
+    supports_segments: bool = False  # forward/backward take segments=(0, ..., Sq) (see masking.Block)
 
 
 class _ForwardCounter:
@@ -134,15 +140,17 @@ class _ForwardCounter:
             self._products += int(self._masked_products)
             self._masked_products = None
 
-    def add(self, q_len: int, k_len: int, causal: bool, mask: torch.Tensor | None = None, window=None) -> None:
+    def add(
+        self, q_len: int, k_len: int, causal: bool, mask: torch.Tensor | None = None, window=None, segments=None
+    ) -> None:
         if not self.enabled:
             return
         self.calls += 1
-        if mask is None and window is not None:
-            self._products += _window_pairs(q_len, k_len, *window)
+        if segments is not None:  # one call, the work of its documents
+            self._products += sum(_plain_pairs(b - a, b - a, causal, window) for a, b in zip(segments, segments[1:]))
             return
         if mask is None:
-            self._products += q_len * (q_len + 1) // 2 if causal else q_len * k_len
+            self._products += _plain_pairs(q_len, k_len, causal, window)
             return
         if window is not None:
             mask = mask & band_mask(q_len, k_len, window, mask.device)
@@ -154,6 +162,13 @@ class _ForwardCounter:
 
 
 FORWARD_CALLS = _ForwardCounter()
+
+
+def _plain_pairs(sq: int, sk: int, causal: bool, window) -> int:
+    """Allowed (query, key) pairs of an unmasked block."""
+    if window is not None:
+        return _window_pairs(sq, sk, *window)
+    return sq * (sq + 1) // 2 if causal else sq * sk
 
 
 def _window_pairs(sq: int, sk: int, left: int, right: int) -> int:
@@ -202,10 +217,13 @@ BACKENDS = {
 FORCED_ONLY = {"cpu": ("flex",)}
 
 
-def _has(name: str, masked: bool, softcap: bool, window: bool = False) -> bool:
-    """Whether backend `name` can run a call with a mask / softcap / window; a window is also
-    served by a backend that takes a mask (the band, written as one)."""
+def _has(name: str, masked: bool, softcap: bool, window: bool = False, segments: bool = False) -> bool:
+    """Whether backend `name` can run a call with a mask / softcap / window / segments; a window
+    is also served by a backend that takes a mask (the band, written as one), segments only
+    natively."""
     backend = BACKENDS[name]
+    if segments and not backend.supports_segments:
+        return False
     if softcap and name == "flash_attn" and not flash_attn_has_softcap():
         return False
     native_window = backend.supports_window and (name != "flash_attn" or not window or flash_attn_has_window())
@@ -282,10 +300,13 @@ def _usable_backends(device_type: str, device_index: int | None, dtype: torch.dt
     return tuple(available_backends(device_type, dtype, head_dim, capability))
 
 
-def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False, window: bool = False) -> Backend:
+def select_backend(
+    q: torch.Tensor, masked: bool = False, softcap: bool = False, window: bool = False, segments: bool = False
+) -> Backend | None:
     """The backend for attention on tensors like `q`; masked=True: the best that takes a mask;
     softcap=True: the best that softcaps logits; window=True: the best that runs a window
-    (natively, or as a mask)."""
+    (natively, or as a mask); segments=True: the best that runs documents in one call (with a
+    window), or None when none does here (the caller splits the block)."""
     choices = _usable_backends(q.device.type, q.device.index, q.dtype, q.shape[-1])
     forced = os.environ.get("EASY_CONTEXT_KERNEL")  # read per call: tests set it
     if forced:
@@ -294,9 +315,11 @@ def select_backend(q: torch.Tensor, masked: bool = False, softcap: bool = False,
                 f"EASY_CONTEXT_KERNEL={forced!r} cannot run {q.dtype} (head dim {q.shape[-1]}) on "
                 f"{q.device}; usable here: {list(choices) + _forced_only(q.device.type)}"
             )
-        if _has(forced, masked, softcap, window):
+        if _has(forced, masked, softcap, window, segments):
             return BACKENDS[forced]
-    return BACKENDS[next(n for n in choices if _has(n, masked, softcap, window))]
+        if segments:  # the forced backend serves the documents one by one
+            return None
+    return next((BACKENDS[n] for n in choices if _has(n, masked, softcap, window, segments)), None)
 
 
 def _forced_only(device_type: str) -> list[str]:
@@ -307,8 +330,12 @@ def _forced_only_usable(name: str, device_type: str) -> bool:
     return name in _forced_only(device_type)
 
 
-def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, softcap, window=False) -> Backend:
-    backend = backend or select_backend(q, masked=masked, softcap=bool(softcap), window=window)
+def _checked_backend(
+    backend: Backend | None, q: torch.Tensor, masked: bool, softcap, window=False, segments=False
+) -> Backend:
+    backend = backend or select_backend(q, masked=masked, softcap=bool(softcap), window=window, segments=segments)
+    if backend is None:
+        raise ValueError("no backend here takes segments; run the block one segment at a time (masking.Block.split)")
     if window and not (backend.supports_window or backend.supports_mask):
         raise ValueError(
             f"backend {backend.name!r} can take neither a window nor a mask; use select_backend(q, window=True)"
@@ -318,6 +345,23 @@ def _checked_backend(backend: Backend | None, q: torch.Tensor, masked: bool, sof
     if softcap and not _has(backend.name, masked, True):
         raise ValueError(f"backend {backend.name!r} cannot softcap logits (here); use select_backend(q, softcap=True)")
     return backend
+
+
+def _checked_segments(segments, q, k, backend: Backend) -> tuple[int, ...] | None:
+    if segments is None:
+        return None
+    segments = tuple(int(s) for s in segments)
+    n = q.shape[2]
+    if k.shape[2] != n or len(segments) < 2 or segments[0] != 0 or segments[-1] != n:
+        raise ValueError(f"segments must run from 0 to Sq = Sk = {n} (Sk = {k.shape[2]}), got {segments}")
+    if any(b <= a for a, b in zip(segments, segments[1:])):
+        raise ValueError(f"segments must be increasing, got {segments}")
+    if not backend.supports_segments:
+        raise ValueError(
+            f"backend {backend.name!r} cannot take segments; use select_backend(q, segments=True), or one call "
+            "per segment (masking.Block.split)"
+        )
+    return segments
 
 
 def _checked_window(window, causal) -> tuple[int, int] | None:
@@ -330,10 +374,12 @@ def _checked_window(window, causal) -> tuple[int, int] | None:
     return int(left), int(right)
 
 
-def _extra(backend: Backend, q, k, mask, softcap, window) -> tuple[tuple, dict]:
-    """The optional trailing arguments of a backend call: (mask,), softcap=c and window=(l, r)
-    when given; a window goes to a backend without a native one as (part of) its mask."""
+def _extra(backend: Backend, q, k, mask, softcap, window, segments=None) -> tuple[tuple, dict]:
+    """The optional trailing arguments of a backend call: (mask,), softcap=c, window=(l, r) and
+    segments when given; a window goes to a backend without a native one as (part of) its mask."""
     kwargs = {"softcap": softcap} if softcap else {}
+    if segments is not None:
+        kwargs["segments"] = segments
     if window is not None and backend.supports_window:  # _has checked this release has it
         kwargs["window"] = window
     elif window is not None:
@@ -343,20 +389,30 @@ def _extra(backend: Backend, q, k, mask, softcap, window) -> tuple[tuple, dict]:
 
 
 def attention_forward(
-    q, k, v, causal: bool, scale: float, backend: Backend | None = None, mask=None, softcap=None, window=None
+    q,
+    k,
+    v,
+    causal: bool,
+    scale: float,
+    backend: Backend | None = None,
+    mask=None,
+    softcap=None,
+    window=None,
+    segments=None,
 ):
     """One attention block. Returns out (B, Hq, Sq, Dv) in q's dtype and lse (B, Hq, Sq) in
     accumulation_dtype(q.dtype). `mask`, `softcap`: see the module docstring; `window` (left,
-    right): masking.Block's convention."""
+    right) and `segments`: masking.Block's convention."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square, got Sq={q.shape[2]} Sk={k.shape[2]}")
     if mask is not None:
         mask = _checked_mask(mask, q, k, causal)
     window = _checked_window(window, causal)
-    backend = _checked_backend(backend, q, mask is not None, softcap, window is not None)
+    backend = _checked_backend(backend, q, mask is not None, softcap, window is not None, segments is not None)
+    segments = _checked_segments(segments, q, k, backend)
     if FORWARD_CALLS.enabled:
-        FORWARD_CALLS.add(q.shape[2], k.shape[2], causal, mask, window)
-    args, kwargs = _extra(backend, q, k, mask, softcap, window)
+        FORWARD_CALLS.add(q.shape[2], k.shape[2], causal, mask, window, segments)
+    args, kwargs = _extra(backend, q, k, mask, softcap, window, segments)
     return backend.forward(q, k, v, causal, scale, *args, **kwargs)
 
 
@@ -373,12 +429,14 @@ def attention_backward(
     mask=None,
     softcap=None,
     window=None,
+    segments=None,
 ):
     """Gradients of one block given the global out/lse of the rows it covers (and the same
-    mask, softcap and window as its forward)."""
+    mask, softcap, window and segments as its forward)."""
     if mask is not None:
         mask = _checked_mask(mask, q, k, causal)
     window = _checked_window(window, causal)
-    backend = _checked_backend(backend, q, mask is not None, softcap, window is not None)
-    args, kwargs = _extra(backend, q, k, mask, softcap, window)
+    backend = _checked_backend(backend, q, mask is not None, softcap, window is not None, segments is not None)
+    segments = _checked_segments(segments, q, k, backend)
+    args, kwargs = _extra(backend, q, k, mask, softcap, window, segments)
     return backend.backward(dout, q, k, v, out, lse, causal, scale, *args, **kwargs)

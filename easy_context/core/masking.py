@@ -39,13 +39,29 @@ class Block(NamedTuple):
     window (left, right), flash-attention's convention (bottom-right aligned): query row r of
     n may attend key column c of m iff r + m - n - left <= c <= r + m - n + right, -1 for no
     limit on that side. A sliding band is (m - n, 0), the start of a band cut off by the
-    block's first key (m - n, -1)."""
+    block's first key (m - n, -1).
+
+    segments (0, s1, ..., n): a square block (n query rows, n keys) made of documents on its
+    diagonal: rows [s_i, s_i+1) attend only keys [s_i, s_i+1), each square causal or in the
+    window as the block says. One variable-length kernel call (flash's cu_seqlens) instead of
+    one call per document."""
 
     q: slice
     kv: slice
     causal: bool
     batch: slice = FULL_ROWS
     window: tuple[int, int] | None = None
+    segments: tuple[int, ...] | None = None
+
+    def split(self) -> list[Block]:
+        """The block as one call per document (for kernels that take no segments)."""
+        if self.segments is None:
+            return [self]
+        q0, k0 = self.q.start, self.kv.start
+        return [
+            self._replace(q=slice(q0 + a, q0 + b), kv=slice(k0 + a, k0 + b), segments=None)
+            for a, b in zip(self.segments, self.segments[1:])
+        ]
 
 
 @dataclass(eq=False)
@@ -156,8 +172,65 @@ def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor
     blocks = []
     for batch, first_key_q, q, k, _ in _by_row(mask, q_index, k_index):
         lo, hi = (x[0] for x in _key_ranges(first_key_q, q, k, mask.window))
-        blocks += _row_blocks(lo, hi, batch)
+        blocks += _documents_joined(_row_blocks(lo, hi, batch))
     return blocks
+
+
+def _square(block: Block) -> bool:
+    return block.q.stop - block.q.start == block.kv.stop - block.kv.start
+
+
+def _longest_document(block: Block) -> int:
+    bounds = block.segments or (0, block.q.stop - block.q.start)
+    return max(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _as_band(block: Block, window) -> Block | None:
+    """The block under the band `window`'s rule when that is the same rule: causal squares no
+    longer than a band (left, 0) see exactly the band."""
+    if block.causal and window is not None and window[1] == 0 and _longest_document(block) <= window[0] + 1:
+        return block._replace(causal=False, window=window)
+    return None
+
+
+def _same_rule(a: Block, b: Block) -> tuple[Block, Block] | None:
+    """a and b under one rule (causal, window), or None."""
+    if (a.causal, a.window) == (b.causal, b.window):
+        return a, b
+    if (band := _as_band(a, b.window)) is not None:
+        return band, b
+    if (band := _as_band(b, a.window)) is not None:
+        return a, band
+    return None
+
+
+def _documents_joined(blocks: list[Block]) -> list[Block]:
+    """Runs of square blocks that follow each other on the diagonal (the next one starts where
+    the previous one ends, in rows and in keys) with the same rule, joined into one block with
+    segments: packed documents of a shard become one kernel call."""
+    joined = []
+    for block in blocks:
+        last = joined[-1] if joined else None
+        pair = None
+        if (
+            last is not None
+            and _square(block)
+            and _square(last)
+            and last.batch == block.batch
+            and (last.q.stop, last.kv.stop) == (block.q.start, block.kv.start)
+        ):
+            pair = _same_rule(last, block)
+        if pair is not None:
+            last, block = pair
+            bounds = last.segments or (0, last.q.stop - last.q.start)
+            joined[-1] = last._replace(
+                q=slice(last.q.start, block.q.stop),
+                kv=slice(last.kv.start, block.kv.stop),
+                segments=(*bounds, bounds[-1] + block.q.stop - block.q.start),
+            )
+            continue
+        joined.append(block)
+    return joined
 
 
 def _runs(lo: torch.Tensor, hi: torch.Tensor) -> list[tuple[int, int, int, int]]:

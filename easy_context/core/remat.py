@@ -50,7 +50,9 @@ class AttentionOutputCache:
 
     def put(self, layer, out, lse, graph: bool):
         """Store a training forward's output; `graph`: the forward records a graph (grad on at
-        the call). Returns the entry's tag, or None when nothing was stored."""
+        the call). Returns the entry's tag, or None when nothing was stored. out and lse are kept
+        as given (no alias made): hand in tensors outside any autograd graph, never the object
+        an autograd Function returns (it would carry the graph in the cache)."""
         if not graph:  # reentrant checkpointing's first forward, or a forward never back-propagated
             waiting = self._waiting.get(layer, 0) + 1
             self._waiting[layer] = waiting
@@ -58,9 +60,7 @@ class AttentionOutputCache:
                 self._entries.pop(layer, None)
                 return None
         tag = next(self._tags)
-        self._entries.setdefault(layer, collections.deque(maxlen=self._per_layer)).append(
-            (tag, out.detach(), lse.detach())
-        )
+        self._entries.setdefault(layer, collections.deque(maxlen=self._per_layer)).append((tag, out, lse))
         return tag
 
     def take(self, layer):

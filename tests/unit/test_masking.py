@@ -9,7 +9,7 @@ import torch
 
 from easy_context.core.kernels import band_mask
 from easy_context.core.layout import Layout
-from easy_context.core.masking import SequenceMask
+from easy_context.core.masking import Block, SequenceMask
 
 
 def allowed_matrix(first_key: torch.Tensor, window=None) -> torch.Tensor:
@@ -38,7 +38,8 @@ def coverage(mask: SequenceMask, q_index, k_index):
     any disallowed pair is computed without a mask."""
     b = mask.first_key.shape[0]
     count = torch.zeros(b, q_index.shape[-1], k_index.shape[-1], dtype=torch.long)
-    for block in mask.blocks(("test", id(q_index), id(k_index)), q_index, k_index, "cpu"):
+    blocks = mask.blocks(("test", id(q_index), id(k_index)), q_index, k_index, "cpu")
+    for block in (part for b in blocks for part in b.split()):  # documents: each its own square
         rows, cols = block.q, block.kv
         nq = len(range(*rows.indices(q_index.shape[-1])))
         nk = len(range(*cols.indices(k_index.shape[-1])))
@@ -107,6 +108,28 @@ def test_plain_causal_rows_plan_one_block_per_shard_pair():
     blocks = mask.blocks("plain", qi, qi, "cpu")
     # rank 1 holds chunks 1 and 2 of 4: chunk 2 sees chunk 1 fully, both diagonals causally
     assert [(b.q, b.kv, b.causal, b.window) for b in blocks] == [(slice(0, 32), slice(0, 32), True, None)]
+
+
+def test_packed_documents_of_a_shard_are_one_block_with_segments():
+    """Documents on a shard's diagonal are one call (flash's variable-length call), under
+    causal rows and under a window (a causal document no longer than the band is the band)."""
+    positions = packed_positions([3, 40, 21])[None]
+    index = torch.arange(64)
+    mask = SequenceMask.from_positions(positions)
+    assert mask.blocks("docs", index, index, "cpu") == [
+        Block(slice(0, 64), slice(0, 64), True, segments=(0, 3, 43, 64))
+    ]
+    windowed = SequenceMask.from_positions(positions).with_window(30)
+    assert windowed.blocks("docs", index, index, "cpu") == [
+        Block(slice(0, 64), slice(0, 64), False, window=(29, 0), segments=(0, 3, 43, 64))
+    ]
+    # kernels without segments run one call per document
+    split = Block(slice(0, 64), slice(0, 64), True, segments=(0, 3, 43, 64)).split()
+    assert [(b.q, b.kv, b.segments) for b in split] == [
+        (slice(0, 3), slice(0, 3), None),
+        (slice(3, 43), slice(3, 43), None),
+        (slice(43, 64), slice(43, 64), None),
+    ]
 
 
 def test_a_row_with_nothing_to_attend_does_not_hide_the_next_row():
