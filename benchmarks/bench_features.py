@@ -10,7 +10,7 @@ P = 2 (zigzag_ring_attn over gloo, one thread per rank):
 
   plain     causal GQA attention, 8 query heads over 2 KV heads, head dim 64: cpu_flash
   softcap   the same with Gemma 2's logit softcap (50): torch's CPU flash op has none, so the
-            math backend runs it, in tiles of query rows (kernel_backends.MATH_TILE_LOGITS)
+            math backend runs it, in tiles of query rows (backends.math_tiles.MATH_TILE_LOGITS)
   sinks     gpt-oss attention sinks: cpu_flash, then one fold of the sinks into the merged
             output; the backward needs no extra kernel work
   mla       DeepSeek-V3's head dims (query/key 192, value 128): v padded to 192 (hf.py),

@@ -24,7 +24,7 @@ Public API (everything a training or evaluation script needs):
     generate(mode, model, input_ids, attention_mask=None, **options_and_generate_kwargs)
 
 Package map (rooms; docs/architecture.md draws them):
-    core/       the engine, never imports transformers: kernels, kernel_backends, masking, global_mask,
+    core/       the engine, never imports transformers: kernels, backends/, masking, global_mask,
                 executor (rounds of units, prefetch, send-back), blocks, ring, p2p, collectives,
                 layout, balance, groups, remat
     modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in

@@ -1,7 +1,8 @@
 """The engine: exact attention over shards of one sequence. Never imports transformers.
 
 kernels.py   a local attention block -> (out, lse) and its backward: backend choice, checks
-kernel_backends.py  the backends (math, cpu_flash, cuda_flash, cuda_efficient, flash_attn)
+backends/    the backends, one file per family: math_tiles, cpu_flash, cuda (cuda_flash,
+             cuda_efficient), flash_attn, flex; masks.py the helpers they share
 masking.py   documents, padding and windows described once; the kernel calls they imply
 global_mask.py  the whole-sequence mask from every rank's shard (one all-gather per forward)
 blocks.py    a query shard over kernel blocks: fp32 log-sum-exp merging, sinks, exact backward

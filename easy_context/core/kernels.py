@@ -37,7 +37,7 @@ EASY_CONTEXT_KERNEL):
   cuda_flash      torch's fused CUDA flash op, fp16/bf16
   cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks
   math            pure torch, fp32 accumulation, any device; masks, softcap; the reference and
-                  the fallback; computed in tiles of query rows (kernel_backends.tile_logits: on
+                  the fallback; computed in tiles of query rows (backends.math_tiles.tile_logits: on
                   CPU MATH_TILE_LOGITS logits at a time, on CUDA sized from the free memory)
 Order on CUDA: fp16/bf16 flash_attn, cuda_flash, cuda_efficient, flex, math; fp32
 cuda_efficient, flex, math (flex sits before math so a masked or softcapped call that no fused
@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 import torch
 
-from easy_context.core.kernel_backends import (
+from easy_context.core.backends import (
     HALF,
     accumulation_dtype,
     band_mask,

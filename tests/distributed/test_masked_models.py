@@ -18,7 +18,8 @@ from easy_context import (
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from easy_context.core import kernel_backends, kernels
+from easy_context.core import kernels
+from easy_context.core.backends import flex as flex_backend
 from easy_context.hf import active_patch
 
 SEQ = 96
@@ -218,7 +219,7 @@ def _flex_worker(rank, world_size):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not kernel_backends.flex_usable(), reason="this torch has no FlexAttention")
+@pytest.mark.skipif(not flex_backend.flex_usable(), reason="this torch has no FlexAttention")
 def test_flex_kernel_forced_matches_single_process():
     """EASY_CONTEXT_KERNEL=flex on CPU: every block of the ring, masked or not, softcapped or not,
     runs through FlexAttention (its eager CPU path), and the model stays exact."""

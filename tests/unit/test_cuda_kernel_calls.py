@@ -24,7 +24,9 @@ import torch
 from test_kernels import assert_close, inputs, make_mask, reference, window_truth
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from easy_context.core import kernel_backends, kernels
+from easy_context.core import kernels
+from easy_context.core.backends import cuda as cuda_backend
+from easy_context.core.backends import flash_attn as flash_attn_backend
 
 aten = torch.ops.aten
 
@@ -79,7 +81,7 @@ def check_cuda_flash_backward_call(module, dtype=torch.bfloat16, hq=8, hkv=8):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2)])
 def test_cuda_flash_calls_match_the_op_schemas(dtype, hq, hkv):
-    rec, (q, k, v, dout, out, lse), (dq, dk, dv) = check_cuda_flash_backward_call(kernel_backends, dtype, hq, hkv)
+    rec, (q, k, v, dout, out, lse), (dq, dk, dv) = check_cuda_flash_backward_call(cuda_backend, dtype, hq, hkv)
     forward = rec.only(aten._scaled_dot_product_flash_attention.default)
     # GQA native, the strided views as they came
     assert forward["query"] is q and forward["key"] is k and forward["value"] is v
@@ -141,8 +143,8 @@ def test_cuda_efficient_calls_match_the_op_schemas(dtype, hq, hkv, masked):
 def test_cuda_efficient_causal_call_on_meta_with_an_out_in_another_layout():
     q, k, v, dout = meta_inputs(4, 4, 48, 48, torch.float16)
     with CallRecorder() as rec:
-        out, lse = kernel_backends.cuda_efficient_forward(q, k, v, True, 0.125)
-        kernel_backends.cuda_efficient_backward(dout, q, k, v, out.contiguous(), lse, True, 0.125)
+        out, lse = cuda_backend.cuda_efficient_forward(q, k, v, True, 0.125)
+        cuda_backend.cuda_efficient_backward(dout, q, k, v, out.contiguous(), lse, True, 0.125)
     assert rec.only(aten._scaled_dot_product_efficient_attention.default)["is_causal"] is True
     backward = rec.only(aten._scaled_dot_product_efficient_attention_backward.default)
     assert backward["is_causal"] is True
@@ -349,7 +351,7 @@ def flash_attn_2_0_backward(
 
 
 @contextlib.contextmanager
-def fake_flash_attn(backward, module=kernel_backends):
+def fake_flash_attn(backward, module=flash_attn_backend):
     """`flash_attn` and `flash_attn.flash_attn_interface` in sys.modules, for `module`'s lookups."""
     interface = types.ModuleType("flash_attn.flash_attn_interface")
     interface.flash_attn_func, interface._flash_attn_backward = fake_flash_attn_func, backward
@@ -456,13 +458,13 @@ def test_flash_attn_signature_is_read_from_the_custom_op_schema_once():
     # What broke the old lookup: a CustomOpDef's Python signature names nothing.
     assert type(flash_attn_2_8_backward).__name__ == "CustomOpDef"
     assert str(inspect.signature(flash_attn_2_8_backward)) == "(*args, **kwargs)"
-    names = kernel_backends.parameter_names(flash_attn_2_8_backward)
+    names = flash_attn_backend.parameter_names(flash_attn_2_8_backward)
     assert {"window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic"} <= names
-    kernel_backends.flash_attn_backward_options.cache_clear()
+    flash_attn_backend.flash_attn_backward_options.cache_clear()
     check_flash_attn_backend(kernels, flash_attn_2_8_backward)
-    misses = kernel_backends.flash_attn_backward_options.cache_info().misses
+    misses = flash_attn_backend.flash_attn_backward_options.cache_info().misses
     check_flash_attn_backend(kernels, flash_attn_2_8_backward)
-    assert kernel_backends.flash_attn_backward_options.cache_info().misses == misses == 1
+    assert flash_attn_backend.flash_attn_backward_options.cache_info().misses == misses == 1
 
 
 # ------------------------------------------------------------------------- gating
@@ -561,7 +563,7 @@ def test_flash_attn_runs_windows_natively_in_both_directions(backward, window):
 
 def test_flash_attn_releases_without_windows_are_not_given_one():
     with fake_flash_attn(flash_attn_2_0_backward):
-        assert not kernel_backends.flash_attn_has_window()
+        assert not flash_attn_backend.flash_attn_has_window()
 
 
 def test_cuda_flash_window_calls_match_the_op_schemas():
@@ -569,8 +571,8 @@ def test_cuda_flash_window_calls_match_the_op_schemas():
     (B, S, H, D) layout HF's tensors are transposes of (no copies)."""
     q, k, v, dout = meta_inputs(8, 2, 40, 72, torch.bfloat16)
     with CallRecorder() as rec:
-        out, lse = kernel_backends.cuda_flash_forward(q, k, v, False, 0.125, window=(31, 0))
-        dq, dk, dv = kernel_backends.cuda_flash_backward(dout, q, k, v, out, lse, False, 0.125, window=(31, 0))
+        out, lse = cuda_backend.cuda_flash_forward(q, k, v, False, 0.125, window=(31, 0))
+        dq, dk, dv = cuda_backend.cuda_flash_backward(dout, q, k, v, out, lse, False, 0.125, window=(31, 0))
     forward = rec.only(aten._flash_attention_forward.default)
     assert forward["query"].shape == (2, 40, 8, 64) and forward["key"].shape == (2, 72, 2, 64)
     assert forward["query"].stride(-1) == 1 and forward["cum_seq_q"] is None

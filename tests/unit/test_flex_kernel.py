@@ -11,10 +11,11 @@ import pytest
 import torch
 from test_kernels import assert_close, inputs, make_mask, reference
 
-from easy_context.core import kernel_backends, kernels
+from easy_context.core import kernels
+from easy_context.core.backends import flex
 from easy_context.core.blocks import merge_block
 
-pytestmark = pytest.mark.skipif(not kernel_backends.flex_usable(), reason="this torch has no FlexAttention")
+pytestmark = pytest.mark.skipif(not flex.flex_usable(), reason="this torch has no FlexAttention")
 
 FLEX = kernels.BACKENDS["flex"]
 MATH = kernels.BACKENDS["math"]
@@ -165,7 +166,7 @@ def test_backward_with_the_global_out_and_lse_of_merged_blocks(name, split, dtyp
 
 
 def test_window_rule_is_flash_attns():
-    rule = kernel_backends.flex_window_rule
+    rule = flex.flex_window_rule
     i, j = torch.arange(24)[:, None], torch.arange(40)[None, :]
     assert rule(24, 24, (-1, -1)) is None
     square = torch.arange(24)[None, :]

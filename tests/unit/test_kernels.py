@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from easy_context.core import kernel_backends, kernels
+from easy_context.core import kernels
+from easy_context.core.backends import cpu_flash, math_tiles
 from easy_context.core.blocks import merge_block
 
 CPU_BACKENDS = kernels.available_backends("cpu", torch.float32)
@@ -298,8 +299,8 @@ def test_math_backend_in_row_tiles_equals_one_tile(monkeypatch, causal, kind, so
     math_backend = kernels.BACKENDS["math"]
     one = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     one_grads = kernels.attention_backward(dout, q, k, v, *one, causal, 0.25, math_backend, mask=mask, softcap=softcap)
-    monkeypatch.setattr(kernel_backends, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
-    assert len(kernel_backends.row_tiles(q, k)) == 6
+    monkeypatch.setattr(math_tiles, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
+    assert len(math_tiles.row_tiles(q, k)) == 6
     tiled = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     tiled_grads = kernels.attention_backward(
         dout, q, k, v, *tiled, causal, 0.25, math_backend, mask=mask, softcap=softcap
@@ -330,8 +331,8 @@ def test_math_backend_converts_k_and_v_once_per_call(monkeypatch, causal, kind, 
     q, k, v, dout = inputs(4, 2, 40, 40, torch.bfloat16)
     mask = None if kind is None else make_mask(kind, 40, 40)
     math_backend = kernels.BACKENDS["math"]
-    monkeypatch.setattr(kernel_backends, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
-    assert len(kernel_backends.row_tiles(q, k)) == 6
+    monkeypatch.setattr(math_tiles, "MATH_TILE_LOGITS", 2 * 4 * 40 * 7)  # tiles of 7 query rows
+    assert len(math_tiles.row_tiles(q, k)) == 6
     with _ConversionCounter(k) as k_count, _ConversionCounter(v) as v_count:
         out, lse = kernels.attention_forward(q, k, v, causal, 0.25, math_backend, mask=mask, softcap=softcap)
     assert (k_count.count, v_count.count) == (1, 1)
@@ -349,7 +350,7 @@ def test_math_backend_sizes_its_tiles_once_per_call(monkeypatch):
         sizes.append((device.type, dtype))
         return 2 * 4 * 40 * 7  # tiles of 7 query rows
 
-    monkeypatch.setattr(kernel_backends, "tile_logits", counted)
+    monkeypatch.setattr(math_tiles, "tile_logits", counted)
     math_backend = kernels.BACKENDS["math"]
     out, lse = kernels.attention_forward(q, k, v, True, 0.25, math_backend)
     kernels.attention_backward(dout, q, k, v, out, lse, True, 0.25, math_backend)
@@ -369,26 +370,26 @@ def test_cuda_math_tiles_follow_free_device_memory(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     cuda = torch.device("cuda", 0)
-    per_logit = 4 * kernel_backends.MATH_TILE_TEMPORARIES  # fp32 accumulation for bf16 and fp32
+    per_logit = 4 * math_tiles.MATH_TILE_TEMPORARIES  # fp32 accumulation for bf16 and fp32
     for free in (4 * 2**30, 12 * 2**30):
-        want = int(free * kernel_backends.MATH_CUDA_FREE_FRACTION) // per_logit
-        assert kernel_backends.MATH_TILE_LOGITS < want < kernel_backends.MATH_CUDA_MAX_TILE_LOGITS
-        assert kernel_backends.tile_logits(cuda, torch.bfloat16) == want
-        assert kernel_backends.tile_logits(cuda, torch.float32) == want
-        assert kernel_backends.tile_logits(cuda, torch.float64) == want // 2  # fp64 logits are twice the size
+        want = int(free * math_tiles.MATH_CUDA_FREE_FRACTION) // per_logit
+        assert math_tiles.MATH_TILE_LOGITS < want < math_tiles.MATH_CUDA_MAX_TILE_LOGITS
+        assert math_tiles.tile_logits(cuda, torch.bfloat16) == want
+        assert math_tiles.tile_logits(cuda, torch.float32) == want
+        assert math_tiles.tile_logits(cuda, torch.float64) == want // 2  # fp64 logits are twice the size
     assert asked == [cuda] * 6
     free = 2**20  # almost nothing free: the lower bound
-    assert kernel_backends.tile_logits(cuda, torch.bfloat16) == kernel_backends.MATH_TILE_LOGITS
+    assert math_tiles.tile_logits(cuda, torch.bfloat16) == math_tiles.MATH_TILE_LOGITS
     free = 2**45  # more than any tile needs: the upper bound
-    assert kernel_backends.tile_logits(cuda, torch.bfloat16) == kernel_backends.MATH_CUDA_MAX_TILE_LOGITS
+    assert math_tiles.tile_logits(cuda, torch.bfloat16) == math_tiles.MATH_CUDA_MAX_TILE_LOGITS
     asked.clear()
-    assert kernel_backends.tile_logits(torch.device("cpu"), torch.bfloat16) == kernel_backends.MATH_TILE_LOGITS
+    assert math_tiles.tile_logits(torch.device("cpu"), torch.bfloat16) == math_tiles.MATH_TILE_LOGITS
     assert asked == []  # CPU never asks the driver
     # The issue's case: a 16K block, 16 heads, 100 GiB free: 4096-row tiles instead of 8.
     free = 100 * 2**30
     q = torch.empty(1, 16, 16384, 128, device="meta")
-    rows = kernel_backends.row_tiles(q, q, kernel_backends.tile_logits(cuda, torch.bfloat16))[0]
-    assert rows.stop == kernel_backends.MATH_CUDA_MAX_TILE_LOGITS // (16 * 16384) == 4096
+    rows = math_tiles.row_tiles(q, q, math_tiles.tile_logits(cuda, torch.bfloat16))[0]
+    assert rows.stop == math_tiles.MATH_CUDA_MAX_TILE_LOGITS // (16 * 16384) == 4096
 
 
 def test_softcap_is_never_sent_to_a_backend_without_it(monkeypatch):
@@ -457,12 +458,10 @@ def test_window_blocks_match_the_reference(backend, dtype, tol, sq, sk, window):
 @pytest.mark.parametrize("window", [(100, 0), (40, -1), (3, 5), (-1, 2), (70, 0)])
 def test_cpu_band_tiles_match_the_reference(monkeypatch, window):
     """cpu_flash runs a long band in row tiles, each against the keys its rows reach."""
-    from easy_context.core import kernel_backends
-
-    monkeypatch.setattr(kernel_backends, "BAND_TILE_ROWS", 16)
-    monkeypatch.setattr(kernel_backends, "BAND_WHOLE_PRODUCTS", 0)
+    monkeypatch.setattr(cpu_flash, "BAND_TILE_ROWS", 16)
+    monkeypatch.setattr(cpu_flash, "BAND_WHOLE_PRODUCTS", 0)
     sq, sk = 72, 110
-    assert len(kernel_backends.band_tiles(sq, sk, window)) > 1
+    assert len(cpu_flash.band_tiles(sq, sk, window)) > 1
     q, k, v, dout = inputs(4, 2, sq, sk, torch.float32, layout="bshd", seed=4)
     be, scale = kernels.BACKENDS["cpu_flash"], 0.3
     out, lse = kernels.attention_forward(q, k, v, False, scale, be, window=window)
