@@ -200,8 +200,17 @@ def _checked_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: 
 # ---------------------------------------------------------------------- selection
 BACKENDS = {
     "math": Backend("math", math_forward, math_backward, supports_mask=True, supports_softcap=True),
-    "cpu_flash": Backend("cpu_flash", cpu_flash_forward, cpu_flash_backward, supports_mask=True, supports_window=True),
-    "cuda_flash": Backend("cuda_flash", cuda_flash_forward, cuda_flash_backward, supports_window=True),
+    "cpu_flash": Backend(
+        "cpu_flash",
+        cpu_flash_forward,
+        cpu_flash_backward,
+        supports_mask=True,
+        supports_window=True,
+        supports_segments=True,  # one call per document, concatenated (no CPU variable-length kernel)
+    ),
+    "cuda_flash": Backend(
+        "cuda_flash", cuda_flash_forward, cuda_flash_backward, supports_window=True, supports_segments=True
+    ),
     "cuda_efficient": Backend("cuda_efficient", cuda_efficient_forward, cuda_efficient_backward, supports_mask=True),
     "flash_attn": Backend(
         "flash_attn", flash_attn_forward, flash_attn_backward, supports_softcap=True, supports_window=True

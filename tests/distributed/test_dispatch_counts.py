@@ -15,16 +15,6 @@ SPEC = dispatch_counts.spec_for(seq_len=1024, window=128)
 SYNCS_PER_STEP = 20  # plans, the loss's all-reduce, the first forward's checks: none per layer or row
 OPS_RATIO = {"causal": 1.3, "packed": 1.5, "window": 1.5}  # issue 29's bounds
 DECODING_OPS_RATIO = 1.25
-# Not there yet (worst rank, measured): these keep what was gained and are the open part of
-# issue 29, not its bounds. Packed rows: one kernel call per document piece (1.55x zigzag, 1.57x
-# ulysses; a variable-length kernel call would take them all at once); LightSeq's balanced
-# schedule gives rank 1 extra transfers (1.34x).
-NOT_YET = {
-    ("zigzag_ring_attn", "packed"): 1.6,
-    ("usp_attn", "packed"): 1.6,
-    ("ulysses_attn", "packed"): 1.6,
-    ("dist_flash_attn", "causal"): 1.4,
-}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def test_host_syncs_and_ops_per_layer_are_bounded(mode, reference):
             assert syncs[0] == syncs[1] <= SYNCS_PER_STEP, (mode, mask, syncs)
             ops, _ = dispatch_counts.per_layer(rank_results, ("train", mask))
             ref_ops, _ = dispatch_counts.per_layer(reference, ("train", mask))
-            assert ops <= NOT_YET.get((mode, mask), OPS_RATIO[mask]) * ref_ops, (mode, mask, ops, ref_ops)
+            assert ops <= OPS_RATIO[mask] * ref_ops, (mode, mask, ops, ref_ops)
         ours = dispatch_counts.per_token(rank_results, SPEC["decode_tokens"])
         theirs = dispatch_counts.per_token(reference, SPEC["decode_tokens"])
         assert ours["syncs_per_layer"] == 0, (mode, ours)

@@ -584,3 +584,37 @@ def test_cuda_flash_window_calls_match_the_op_schemas():
     assert aten.repeat_interleave not in rec.ops()
     assert out.shape == q.shape and lse.shape == (2, 8, 40)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (15, 0))])
+def test_cuda_flash_documents_take_the_variable_length_call(causal, window):
+    """Packed documents of one batch row: one call of the op's variable-length path, on (S, H, D)
+    views of HF's tensors with int32 cu_seqlens from the segments; its (H, S) lse comes back as
+    (1, H, S). Several batch rows: a call per document."""
+    q, k, v, dout = (x[:1] for x in meta_inputs(8, 2, 40, 40, torch.bfloat16))
+    segments = (0, 3, 31, 40)
+    with CallRecorder() as rec:
+        out, lse = cuda_backend.cuda_flash_forward(q, k, v, causal, 0.125, window=window, segments=segments)
+        dq, dk, dv = cuda_backend.cuda_flash_backward(
+            dout, q, k, v, out, lse, causal, 0.125, window=window, segments=segments
+        )
+    forward = rec.only(aten._flash_attention_forward.default)
+    assert forward["query"].shape == (40, 8, 64) and forward["key"].shape == (40, 2, 64)
+    assert forward["query"].stride(-1) == 1 and forward["query"].data_ptr() == q.data_ptr()
+    cu = forward["cum_seq_q"]
+    assert cu.dtype == torch.int32 and cu.shape == (4,) and forward["cum_seq_k"] is cu
+    assert (forward["max_q"], forward["max_k"], forward["is_causal"]) == (28, 28, causal)
+    assert (forward["window_size_left"], forward["window_size_right"]) == (window or (None, None))
+    backward = rec.only(aten._flash_attention_backward.default)
+    assert backward["cum_seq_q"] is cu and backward["logsumexp"].shape == (8, 40) and backward["is_causal"] == causal
+    assert (backward["window_size_left"], backward["window_size_right"]) == (window or (None, None))
+    assert out.shape == q.shape and lse.shape == (1, 8, 40)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    # the cu_seqlens of a plan are built once: every layer and the backward reuse them
+    assert cuda_backend.cu_seqlens(segments, q.device) is cu
+    q2, k2, v2, _ = meta_inputs(8, 2, 40, 40, torch.bfloat16)
+    with CallRecorder() as rec:
+        cuda_backend.cuda_flash_forward(q2, k2, v2, causal, 0.125, window=window, segments=segments)
+    flash_calls = [(f, a) for f, a, _ in rec.calls if "flash" in str(f)]
+    assert len(flash_calls) == 3  # one per document, each a dense call of its batch rows
+    assert all(a[0].dim() == 4 and a[0].shape[0] == 2 for _, a in flash_calls)

@@ -491,3 +491,52 @@ def test_windows_are_checked():
         kernels.attention_forward(q, k, v, False, 0.3, window=(-2, 0))
     with pytest.raises(ValueError, match="window must be"):
         kernels.attention_forward(q, k, v, True, 0.3, window=(3, 0))
+
+
+def segments_truth(segments, causal, window):
+    """Documents on the diagonal written out: row r may attend column c iff both lie in one
+    document, and c <= r (causal) or the window allows it."""
+    n = segments[-1]
+    document = torch.repeat_interleave(torch.arange(len(segments) - 1), torch.tensor(segments).diff())
+    allowed = document[:, None] == document[None, :]
+    if causal:
+        allowed &= torch.ones(n, n, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= window_truth(n, n, window)
+    return allowed
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (False, (5, 0)), (False, (3, 2))])
+@pytest.mark.parametrize("segments", [(0, 1, 19, 40), (0, 40), (0, 7, 8, 9, 33, 40)])
+def test_segments_match_the_reference(dtype, tol, causal, window, segments):
+    """Packed documents in one call (cpu_flash: a call per document, concatenated)."""
+    q, k, v, dout = inputs(4, 2, 40, 40, dtype, layout="bshd", seed=5)
+    be, scale = kernels.BACKENDS["cpu_flash"], 0.3
+    kernels.FORWARD_CALLS.start()
+    out, lse = kernels.attention_forward(q, k, v, causal, scale, be, window=window, segments=segments)
+    truth = segments_truth(segments, causal, window)
+    assert kernels.FORWARD_CALLS.calls == 1 and kernels.FORWARD_CALLS.products == int(truth.sum())
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference(qr, kr, vr, False, scale, truth)
+    ref_out.backward(dout.double())
+    assert_close(out, ref_out, tol)
+    assert_close(lse, ref_lse, LSE_TOL[dtype])
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, causal, scale, be, window=window, segments=segments)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        assert got.shape == want.shape
+        assert_close(got, want, tol * max(1.0, want.abs().max().item()))
+
+
+def test_segments_are_checked_and_only_go_where_they_are_taken(monkeypatch):
+    q, k, v, _ = inputs(4, 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="segments must run from 0"):
+        kernels.attention_forward(q, k, v, True, 0.3, segments=(0, 4, 7))
+    with pytest.raises(ValueError, match="segments must be increasing"):
+        kernels.attention_forward(q, k, v, True, 0.3, segments=(0, 4, 4, 8))
+    with pytest.raises(ValueError, match="cannot take segments"):
+        kernels.attention_forward(q, k, v, True, 0.3, kernels.BACKENDS["math"], segments=(0, 4, 8))
+    assert kernels.select_backend(q, segments=True).name == "cpu_flash"
+    assert kernels.select_backend(q, softcap=True, segments=True) is None  # the caller splits the block
+    monkeypatch.setenv("EASY_CONTEXT_KERNEL", "math")
+    assert kernels.select_backend(q, segments=True) is None

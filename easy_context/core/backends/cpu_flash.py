@@ -13,6 +13,7 @@ from easy_context.core.backends.masks import (
     band_mask,
     clear_empty_rows,
 )
+from easy_context.core.backends.segments import segments_backward, segments_forward
 
 __all__ = ["BAND_TILE_ROWS", "BAND_WHOLE_PRODUCTS", "band_tiles", "cpu_flash_forward", "cpu_flash_backward"]
 
@@ -61,7 +62,9 @@ def _band_call(q, k, v, scale, window):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
 
 
-def cpu_flash_forward(q, k, v, causal, scale, mask=None, window=None):
+def cpu_flash_forward(q, k, v, causal, scale, mask=None, window=None, segments=None):
+    if segments is not None:  # no variable-length CPU kernel: a call per document, never a wasted pair
+        return segments_forward(cpu_flash_forward, q, k, v, causal, scale, segments, window=window)
     mask = _window_as_mask(q, k, mask, window)
     if mask is None and window is not None:
         tiles = band_tiles(q.shape[2], k.shape[2], window)
@@ -101,7 +104,9 @@ def _cpu_flash_band_backward(dout, q, k, v, out, lse, scale, window):
     return torch.cat(dqs, dim=2), dk, dv
 
 
-def cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
+def cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mask=None, window=None, segments=None):
+    if segments is not None:
+        return segments_backward(cpu_flash_backward, dout, q, k, v, out, lse, causal, scale, segments, window=window)
     mask = _window_as_mask(q, k, mask, window)
     if mask is None and window is not None:
         return _cpu_flash_band_backward(dout, q, k, v, out, lse, scale, window)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from easy_context.core.backends.masks import INF, additive_bias, backward_lse, clear_empty_rows
+from easy_context.core.backends.segments import cu_seqlens, segments_backward, segments_forward
 
 __all__ = ["cuda_flash_forward", "cuda_flash_backward", "cuda_efficient_forward", "cuda_efficient_backward"]
 
@@ -14,7 +15,11 @@ __all__ = ["cuda_flash_forward", "cuda_flash_backward", "cuda_efficient_forward"
 # The op takes K/V with fewer heads (GQA) and strided (B, H, S, D) views; it makes dout and out
 # contiguous itself, in the (B, S, H, D) layout its kernel wants (a .contiguous() here would
 # produce the (B, H, S, D) layout and a second copy).
-def cuda_flash_forward(q, k, v, causal, scale, window=None):
+def cuda_flash_forward(q, k, v, causal, scale, window=None, segments=None):
+    if segments is not None:
+        if q.shape[0] != 1:  # documents of several batch rows: not one flat token axis
+            return segments_forward(cuda_flash_forward, q, k, v, causal, scale, segments, window=window)
+        return _cuda_flash_varlen_forward(q, k, v, causal, scale, window, segments)
     if window is not None:
         return _cuda_flash_window_forward(q, k, v, scale, window)
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -32,6 +37,43 @@ def _cuda_flash_window_forward(q, k, v, scale, window):
     return t(out), lse
 
 
+# Packed documents: the op's variable-length path, (total, H, D) tensors with int32 cu_seqlens
+# (here one batch row, so total = S and (S, H, D) is a view of HF's (1, H, S, D)). Its lse is
+# (H, total). Each document is a square, so the kernel's bottom-right causal and window
+# alignment is the top-left one of masking.Block.
+def _flat(x):
+    return x[0].transpose(0, 1)
+
+
+def _unflat(x):
+    return x.transpose(0, 1)[None]
+
+
+def _varlen_window(window) -> dict:
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
+def _cuda_flash_varlen_forward(q, k, v, causal, scale, window, segments):
+    cu = cu_seqlens(segments, q.device)
+    longest = max(b - a for a, b in zip(segments, segments[1:]))
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        _flat(q), _flat(k), _flat(v), cu, cu, longest, longest, 0.0, causal, False,
+        scale=scale, **_varlen_window(window),
+    )  # fmt: skip
+    return _unflat(out), lse[None]
+
+
+def _cuda_flash_varlen_backward(dout, q, k, v, out, lse, causal, scale, window, segments):
+    cu = cu_seqlens(segments, q.device)
+    longest = max(b - a for a, b in zip(segments, segments[1:]))
+    seed, offset = _flash_rng_placeholders(q.device)
+    grads = torch.ops.aten._flash_attention_backward(
+        _flat(dout), _flat(q), _flat(k), _flat(v), _flat(out), lse[0].contiguous(), cu, cu, longest, longest, 0.0,
+        causal, seed, offset, scale=scale, **_varlen_window(window),
+    )  # fmt: skip
+    return tuple(_unflat(g) for g in grads)
+
+
 def _flash_rng_placeholders(device: torch.device):
     """What the forward returns as (rng_state, unused) with dropout 0: uint64 (2,) and () (int64
     () on ROCm). The backward reads them only when dropout_p > 0; passing the forward's shapes
@@ -41,7 +83,13 @@ def _flash_rng_placeholders(device: torch.device):
     return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
 
 
-def cuda_flash_backward(dout, q, k, v, out, lse, causal, scale, window=None):
+def cuda_flash_backward(dout, q, k, v, out, lse, causal, scale, window=None, segments=None):
+    if segments is not None:
+        if q.shape[0] != 1:
+            return segments_backward(
+                cuda_flash_backward, dout, q, k, v, out, lse, causal, scale, segments, window=window
+            )
+        return _cuda_flash_varlen_backward(dout, q, k, v, out, lse, causal, scale, window, segments)
     seed, offset = _flash_rng_placeholders(q.device)
     if window is not None:
         t = lambda x: x.transpose(1, 2)  # noqa: E731
