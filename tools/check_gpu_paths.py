@@ -5,9 +5,10 @@
     python -m tools.check_gpu_paths simulate [--device cuda] [--seq-len 2048]
 
 masks      every kernel backend usable on the device, forward + backward of one block, on a
-           causal block, a sliding window and packed documents (the last two as bool masks);
-           the median time and the max error against the math backend in fp64. A backend that
-           cannot run a case prints `SKIP <backend> <case>: <reason>`.
+           causal block, a sliding window and packed documents: as bool masks, and in the forms
+           plans hand them over (a native window, documents as segments: flash's variable-length
+           call); the median time and the max error against the math backend in fp64. A backend
+           that cannot run a case prints `SKIP <backend> <case>: <reason>`.
 gloo-ops   two processes (one device: both ranks on it) over gloo, with tensors on --device,
            try each collective the package uses (collectives.all_gather, all_reduce,
            broadcast, ulysses' all_to_all_single, p2p.exchange's batch_isend_irecv), each in
@@ -56,10 +57,27 @@ def _sync(device):
 
 
 # ------------------------------------------------------------------------ masks
+def document_cuts(seq: int) -> tuple[int, ...]:
+    return (0, seq // 5, seq // 2, (4 * seq) // 5, seq)
+
+
 def documents(seq: int) -> torch.Tensor:
     """(1, S) position_ids of 4 packed documents of uneven lengths."""
-    cuts = [0, seq // 5, seq // 2, (4 * seq) // 5, seq]
+    cuts = document_cuts(seq)
     return torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None]
+
+
+def call_forms(case: str, backend, mask, window: int, seq: int) -> list[tuple[str, bool, dict]]:
+    """(label, causal, keyword arguments) of each way `backend` takes a case: the mask, and the
+    plans' own form where the backend has it (a window; documents as segments)."""
+    if mask is None:
+        return [("", True, {})]
+    forms = [("mask", False, {"mask": mask})] if backend.supports_mask else []
+    if case == "window" and backend.supports_window:
+        forms.append(("native", False, {"window": (window - 1, 0)}))
+    if case == "documents" and backend.supports_segments:
+        forms.append(("segments", True, {"segments": document_cuts(seq)}))
+    return forms
 
 
 def bool_mask(seq: int, case: str, window: int, device) -> torch.Tensor | None:
@@ -85,9 +103,10 @@ def time_masks(device, dtype, seq: int, heads: int, kv_heads: int, head_dim: int
     print(
         f"backends x masks on {device.type}, {str(dtype)[6:]}, S={seq}, {heads}x{head_dim} heads, {kv_heads} KV heads"
     )
-    print(f"{'backend':16}{'case':10}{'ms fwd+bwd':>12}{'max err out':>13}{'max err dq':>12}")
+    print(f"{'backend':16}{'case':20}{'ms fwd+bwd':>12}{'max err out':>13}{'max err dq':>12}")
     for case in ("causal", "window", "documents"):
-        mask = bool_mask(seq, case, max(1, seq // 8), device)
+        window = max(1, seq // 8)
+        mask = bool_mask(seq, case, window, device)
         causal = mask is None
         math = kernels.BACKENDS["math"]
         want = [x.double() for x in (q, k, v, dout)]
@@ -96,24 +115,30 @@ def time_masks(device, dtype, seq: int, heads: int, kv_heads: int, head_dim: int
         usable = kernels.available_backends(device.type, dtype, head_dim, capability)
         for name in usable:
             backend = kernels.BACKENDS[name]
-            if mask is not None and not backend.supports_mask:
-                print(f"SKIP {name} {case}: takes no mask (masked blocks go to the best masked backend)")
-                continue
-            try:
-                times = []
-                for _ in range(iters + 1):  # the first is a warm-up
-                    _sync(device)
-                    start = time.perf_counter()
-                    out, lse = kernels.attention_forward(q, k, v, causal, scale, backend, mask=mask)
-                    dq = kernels.attention_backward(dout, q, k, v, out, lse, causal, scale, backend, mask=mask)[0]
-                    _sync(device)
-                    times.append(time.perf_counter() - start)
-            except Exception as exc:  # noqa: BLE001 - a backend that fails is a failed row
-                ok = False
-                print(f"{name:16}{case:10} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-                continue
-            errors = [(got.double() - ref).abs().max().item() for got, ref in ((out, ref_out), (dq, ref_dq))]
-            print(f"{name:16}{case:10}{1e3 * statistics.median(times[1:]):12.2f}{errors[0]:13.1e}{errors[1]:12.1e}")
+            forms = call_forms(case, backend, mask, window, seq)
+            if not forms:
+                print(f"SKIP {name} {case}: takes no mask, window or segments (such blocks go to another backend)")
+            for form, form_causal, options in forms:
+                label = f"{case} {form}".strip()
+                try:
+                    times = []
+                    for _ in range(iters + 1):  # the first is a warm-up
+                        _sync(device)
+                        start = time.perf_counter()
+                        out, lse = kernels.attention_forward(q, k, v, form_causal, scale, backend, **options)
+                        dq = kernels.attention_backward(
+                            dout, q, k, v, out, lse, form_causal, scale, backend, **options
+                        )[0]
+                        _sync(device)
+                        times.append(time.perf_counter() - start)
+                except Exception as exc:  # noqa: BLE001 - a backend that fails is a failed row
+                    ok = False
+                    print(f"{name:16}{label:20} FAILED: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+                    continue
+                errors = [(got.double() - ref).abs().max().item() for got, ref in ((out, ref_out), (dq, ref_dq))]
+                print(
+                    f"{name:16}{label:20}{1e3 * statistics.median(times[1:]):12.2f}{errors[0]:13.1e}{errors[1]:12.1e}"
+                )
         for name in kernels.BACKENDS:
             if name not in usable:
                 print(f"SKIP {name} {case}: not usable for {str(dtype)[6:]} head dim {head_dim} on {device.type}")

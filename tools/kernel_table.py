@@ -103,9 +103,9 @@ def markdown() -> str:
     header = ["device", "dtype", *names, "head dim", "serves", "also usable (in order)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows():
-        serves, *rest = row["backends"]
+        serves, *rest = row["backends"] or ["none: one call per document"]
         cells = [row["device"], row["dtype"], *("yes" if row[n] else "no" for n in names), row["head dim"]]
-        cells += [f"`{serves}`", ", ".join(f"`{n}`" for n in rest) or "-"]
+        cells += [f"`{serves}`" if row["backends"] else serves, ", ".join(f"`{n}`" for n in rest) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

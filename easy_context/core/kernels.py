@@ -278,13 +278,16 @@ def available_backends(
     masked: bool = False,
     softcap: bool = False,
     window: bool = False,
+    segments: bool = False,
 ) -> list[str]:
-    """Backends usable for this device and dtype, fastest first; 'math' is always last.
+    """Backends usable for this device and dtype, fastest first; 'math' is last, except with
+    segments=True (math takes none).
 
     On CUDA the fused kernels' limits are checked against `head_dim` and the device's compute
     `capability` (None: not checked). masked=True keeps the backends that take a mask,
     softcap=True those that softcap logits, window=True those that run a window (natively or
-    as a mask)."""
+    as a mask), segments=True those that take packed documents in one call (an empty list:
+    such blocks run one call per document)."""
     names = []
     if device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         names.append("cpu_flash")
@@ -299,7 +302,7 @@ def available_backends(
         if _flex_fits(dtype, head_dim, capability):  # masks and softcaps no fused kernel takes
             names.append("flex")
     names.append("math")
-    return [n for n in names if _has(n, masked, softcap, window)]
+    return [n for n in names if _has(n, masked, softcap, window, segments)]
 
 
 @functools.cache
