@@ -58,7 +58,7 @@ class _Clock:
 
 
 class _Timed:
-    """Wraps a function of easy_context.hf.generation and adds up the seconds spent in it."""
+    """Wraps a function (the cache's kernel, all-gather or update) and adds up the seconds spent in it."""
 
     def __init__(self, fn):
         self.fn, self.seconds = fn, 0.0
@@ -111,7 +111,7 @@ def _worker(rank, world, spec, workdir):
 
     import easy_context as ec
     from easy_context.core import collectives
-    from easy_context.hf import generation
+    from easy_context.hf import sharded_cache
     from easy_context.versions import output_cache
 
     model = _model(spec["vocab"])
@@ -129,12 +129,12 @@ def _worker(rank, world, spec, workdir):
     # decoding's only collective, and the two small checks of generate's start and end
     gather = _Timed(collectives.all_gather)
     collectives.all_gather = gather
-    cache_class = generation.ShardedKVCache if mode is not None else DynamicCache
+    cache_class = sharded_cache.ShardedKVCache if mode is not None else DynamicCache
     cache_update = _Timed(cache_class.update)
     cache_class.update = lambda self, *args, **kwargs: cache_update(self, *args, **kwargs)
     if mode is not None:
-        attn = _Timed(generation.attention_forward)
-        generation.attention_forward = attn
+        attn = _Timed(sharded_cache.attention_forward)
+        sharded_cache.attention_forward = attn
         ec.apply_seq_parallel_monkey_patch(mode, model)
     else:  # the unpatched model's attention function
         attn = _Timed(AttentionInterface._global_mapping["sdpa"])
@@ -156,7 +156,7 @@ def _worker(rank, world, spec, workdir):
     result = [
         clock.times[1] - start,
         statistics.median(gaps),
-        generation.kv_bytes(output_cache(output)),
+        sharded_cache.kv_bytes(output_cache(output)),
         peak,
         attn.seconds / steps,
         gather.seconds / steps if mode is not None else float("nan"),

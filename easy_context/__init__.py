@@ -30,7 +30,7 @@ Package map (rooms; docs/architecture.md draws them):
     modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in
                 __init__, the pieces of their cost declarations in costs.py
     hf/         the transformers integration: context (SequenceParallel), api, patch, admission,
-                architectures, replicas, generation, trainer
+                architectures, replicas, generation, sharded_cache, trainer
     programs/   what train.py, eval_needle.py, eval_ppl.py and the planner need: launch, data/,
                 models, loss, checkpointing, tiled_mlp, needle, evaluation, plots, plan/
     versions.py supported versions (pyproject's ranges) and the transformers APIs that changed

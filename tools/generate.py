@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
-from easy_context.hf.generation import kv_bytes
+from easy_context.hf.sharded_cache import kv_bytes
 from easy_context.programs.evaluation import load_scorer, resolve_model
 from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
 from easy_context.programs.launch import fail as launch_fail

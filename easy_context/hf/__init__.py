@@ -7,7 +7,8 @@ what runs on it (generation, the Trainer adapter, the replica guard).
     admission.py      what a model may bring (keywords, mask functions, head dims), checked per call
     architectures.py  the supported model types (one list) and why others are refused
     replicas.py       a guard: the ranks of an SP group must hold the same weights
-    generation.py     generate: sharded prefill, a KV cache sharded over the SP group
+    generation.py     generate: prompt checks, sharded prefill, then transformers' decoding
+    sharded_cache.py  ShardedKVCache: the KV cache sharded over the SP group, exact attention per step
     trainer.py        prepare_trainer: HF Trainer / TRL SFTTrainer in one line
 """
 

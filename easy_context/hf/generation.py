@@ -7,38 +7,24 @@ process's `model.generate` would give. How:
 
 1. Prefill (ours): the first S - 1 prompt tokens run through the model in the mode's layout,
    like a training forward (padded at the end to a length the layout splits, the padding
-   masked). A `ShardedKVCache` keeps what each layer computed for this rank's tokens: the
-   rank's shard of every layer's K/V, and nothing else.
+   masked). A `ShardedKVCache` (sharded_cache.py) keeps what each layer computed for this
+   rank's tokens: the rank's shard of every layer's K/V, and nothing else.
 2. Decoding (HF's): `model.generate` runs with that cache, so logits processors, stopping
    criteria, sampling, beam search and EOS handling are transformers' own. It sees a cache
-   holding S - 1 tokens, feeds the last prompt token, then one token per step. Those tokens
-   run on every rank (the same input, the same weights: the same hidden states); only
-   attention differs: each rank attends the step's queries to its own K/V shard
-   (kernels.attention_forward, which returns the log-sum-exp) and one all-gather of the
-   partial (out, lse) per layer merges them exactly (ring.merge_block, in rank order, so
-   every rank gets bitwise the same result). The token with sequence index i is kept by SP
-   rank i % P, so the cache stays balanced.
-
-Where the hook sits: the patch's attention dispatcher hands a layer's call to the cache's `attend`
-while a ShardedKVCache is decoding (`SequenceParallel.decoding_with(cache)`); the prefill goes through the
-mode's own attention. Masks: padding (left-padded batches) and per-layer sliding windows are
-described per cache slot (its sequence index and validity), the same rule as masking.py.
+   holding S - 1 tokens, feeds the last prompt token, then one token per step. Only attention
+   differs from one process's: each rank attends to its own K/V shard and one all-gather per
+   layer merges the partial results exactly (sharded_cache.py says how).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from easy_context.core import collectives
-from easy_context.core.blocks import fold_sinks, merge_block
 from easy_context.core.global_mask import check_padding
-from easy_context.core.kernels import accumulation_dtype, attention_forward
 from easy_context.hf.architectures import model_types_of
 from easy_context.hf.context import OPTIONS, active, context_for, setup
+from easy_context.hf.sharded_cache import ShardedKVCache, kv_bytes
 from easy_context.versions import cache_keyword
 
 __all__ = ["generate", "ShardedKVCache", "kv_bytes"]
@@ -53,270 +39,6 @@ _REFUSED_KWARGS = {
     "inputs_embeds": "pass input_ids",
     "position_ids": "positions follow from attention_mask, as in model.generate",
 }
-GROWTH = 256  # cache slots added at once when a rank's shard of a layer is full (one copy per GROWTH tokens)
-
-
-class _ShardLayer(DynamicLayer):
-    """One layer's K/V on this rank: the cache's slots [base, base + used) in a buffer, of which
-    [first, base + used) are live. Slots before `first` fall out of a sliding window for every
-    later query (slot indices increase: the layouts keep a rank's tokens in order, and new
-    tokens come last); their memory is reclaimed at the next copy. The prefill's tensors are
-    kept as they come; decoding appends into spare capacity (GROWTH slots at a time) instead of
-    concatenating the whole shard at every token, as DynamicLayer does."""
-
-    def __init__(self):
-        super().__init__()
-        self.base = self.first = self.used = 0
-        self.updated_at = 0  # the cache's length after this layer's last update
-        self.window = None  # the layer's sliding window, learnt at its first decoding step
-
-    def store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values, self.used, self.is_initialized = keys, values, keys.shape[-2], True
-
-    def live(self):
-        start = self.first - self.base
-        return self.keys[..., start : self.used, :], self.values[..., start : self.used, :]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor):
-        if not self.is_initialized:
-            self.store(keys[..., :0, :].clone(), values[..., :0, :].clone())
-        added, dead = keys.shape[-2], self.first - self.base
-        if self.used + added > self.keys.shape[-2] or dead >= max(GROWTH, self.used - dead):
-            live = self.used - dead  # copy the live slots only, with GROWTH spare ones
-            self.keys, self.values = (
-                _copied(x, dead, self.used, live + added + GROWTH) for x in (self.keys, self.values)
-            )
-            self.base, self.used = self.first, live
-        self.keys[..., self.used : self.used + added, :] = keys
-        self.values[..., self.used : self.used + added, :] = values
-        self.used += added
-        return self.live()
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys, self.values = (x.index_select(0, index.to(x.device)) for x in (self.keys, self.values))
-
-
-def _copied(x: torch.Tensor, start: int, stop: int, capacity: int) -> torch.Tensor:
-    copy = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
-    copy[..., : stop - start, :] = x[..., start:stop, :]
-    return copy
-
-
-class ShardedKVCache(Cache):
-    """This SP rank's shard of every layer's K/V, for transformers' generate.
-
-    Every slot has a sequence index and, per batch row, a validity bit (False: the prompt's
-    left padding). `length` is the length of the whole sequence so far, what transformers
-    sees as the cache length.
-    """
-
-    def __init__(self, group, sp_rank: int, sp_size: int):
-        super().__init__(layer_class_to_replicate=_ShardLayer)
-        self.group, self.rank, self.size = group, sp_rank, sp_size
-        self.length = 0
-        self.index: torch.Tensor | None = None  # (slots,) int64
-        self.valid: torch.Tensor | None = None  # (B, slots) bool
-        self.prefilled = False  # False: update stores the prefill's shard; True: update appends a step's tokens
-        self._prefill = None  # (slots the prefill passes, the positions among them that are kept or None, length)
-        self._step_kept = None  # positions among the step's new tokens that this rank keeps
-        self._pending = None  # the layer updated last, whose attention comes next
-        self._masks: dict = {}  # (window, first slot) -> the step's mask or None (all allowed)
-        # Host-side mirrors, so decoding decides what to mask and drop without reading the device:
-        self.positions: list[int] = []  # self.index as a Python list
-        self.all_valid = True  # no slot is padding in any batch row
-        self._kept: dict = {}  # (kept positions among a step's tokens, device) -> their index tensor
-        self._checked_at = -1  # the length at the last cross-rank query check
-        self._diverged = None  # that check's verdict (a bool tensor), read one step later
-
-    # ------------------------------------------------------------ filling
-    def start_prefill(self, index: torch.Tensor, valid: torch.Tensor, length: int) -> None:
-        """index (slots,): the sequence index of each token this rank prefills, -1 for the
-        padding that made the prompt split; valid (B, slots); length: the prompt tokens the
-        prefill holds. The padding is not kept: every later step would attend it through a
-        mask, and a masked kernel is the slower one."""
-        real = index >= 0
-        self._prefill = (index.shape[0], None if bool(real.all()) else torch.nonzero(real).flatten(), length)
-        self.index, self.valid = index[real], valid[:, real]
-        self.positions, self.all_valid = self.index.tolist(), bool(self.valid.all())  # once per prompt
-
-    def finish_prefill(self, batch: int, device) -> None:
-        """From here on update appends decoding steps' tokens; the cache holds the prefill's."""
-        if self.index is None:  # a one-token prompt: nothing was prefilled
-            self.index = torch.empty(0, dtype=torch.long, device=device)
-            self.valid = torch.empty(batch, 0, dtype=torch.bool, device=device)
-        else:
-            self.length = self._prefill[2]
-        self.prefilled, self._prefill = True, None
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        while len(self.layers) <= layer_idx:
-            self.layers.append(_ShardLayer())
-        layer = self.layers[layer_idx]
-        if not self.prefilled:
-            slots, kept, length = self._prefill
-            if key_states.shape[-2] != slots:
-                raise RuntimeError(f"prefill: layer {layer_idx} has {key_states.shape[-2]} tokens, expected {slots}")
-            layer.updated_at = length
-            layer.store(*(x if kept is None else x[..., kept, :] for x in (key_states, value_states)))
-            return key_states, value_states  # the prefill's attention runs on the shard as it came
-        if key_states.shape[0] != self.valid.shape[0]:
-            self._expand_batch(key_states.shape[0])
-        if layer.updated_at == self.length:  # the first layer of this step: admit its tokens
-            self._admit(key_states.shape[-2], key_states.shape[0], key_states.device)
-        layer.updated_at = self.length
-        if layer.window is not None:  # slots no query from this step on can reach
-            oldest_query = self.length - key_states.shape[-2]
-            layer.first = max(layer.first, bisect.bisect_left(self.positions, oldest_query - layer.window + 1))
-        self._pending = layer_idx
-        return layer.append(key_states[..., self._step_kept, :], value_states[..., self._step_kept, :])
-
-    def _expand_batch(self, batch: int) -> None:
-        """model.generate repeats each prompt (num_beams, num_return_sequences) before the
-        first step but leaves a cache it was given as it is: repeat the cache alike."""
-        repeats, rest = divmod(batch, self.valid.shape[0])
-        if rest or any(layer.is_initialized and layer.keys.shape[0] != self.valid.shape[0] for layer in self.layers):
-            raise RuntimeError(f"decoding a batch of {batch} rows with a cache of {self.valid.shape[0]} rows")
-        self.batch_repeat_interleave(repeats)
-
-    def _admit(self, new: int, batch: int, device) -> None:
-        kept = tuple(i for i in range(new) if (self.length + i) % self.size == self.rank)
-        if (kept, device) not in self._kept:  # a handful of patterns: no host-to-device copy per step
-            self._kept[kept, device] = torch.tensor(kept, dtype=torch.long, device=device)
-        self._step_kept = self._kept[kept, device]
-        self.index = torch.cat([self.index, self._step_kept + self.length])
-        self.positions += [self.length + i for i in kept]
-        self.valid = torch.cat(
-            [self.valid, torch.ones(batch, len(self._step_kept), dtype=torch.bool, device=device)], dim=1
-        )
-        self.length += new
-        self._masks = {}
-
-    # -------------------------------------------------------- attention
-    def step_mask(self, new: int, window: int | None, first: int = 0) -> torch.Tensor | None:
-        """(B, 1, new, slots - first) bool: which local slots from `first` on the step's queries
-        may attend (the masking.py rule: valid, not after the query, within the window); None
-        when every one is allowed. Computed once per step, window and first slot."""
-        key = (window, first)
-        if key not in self._masks and self._all_allowed(new, window, first):
-            self._masks[key] = None
-        if key not in self._masks:
-            index, valid = self.index[first:], self.valid[:, first:]
-            queries = torch.arange(self.length - new, self.length, device=index.device)[:, None]
-            allowed = valid[:, None, None, :] & (index <= queries)
-            if window is not None:
-                allowed = allowed & (queries - index < window)
-            self._masks[key] = allowed
-        return self._masks[key]
-
-    def _all_allowed(self, new: int, window: int | None, first: int) -> bool:
-        """Whether every live slot from `first` on is valid, not after the step's first query and
-        within the window of its last one (from the host-side mirrors)."""
-        if not self.all_valid:
-            return False
-        if len(self.positions) <= first:
-            return True
-        oldest, newest = self.length - new, self.length - 1
-        return self.positions[-1] <= oldest and (window is None or newest - self.positions[first] < window)
-
-    def attend(self, q, k, v, scale: float, layer_idx: int, window=None, softcap=None, sinks=None) -> torch.Tensor:
-        """Exact attention of the step's queries q (B, Hq, n, D), the same on every rank, over
-        the K/V of every rank (k, v: this rank's live slots of layer `layer_idx`, as update
-        returned them): local partial, one all-gather, log-sum-exp merge."""
-        if self._pending != layer_idx:
-            # Every rank runs the same forwards, so every rank raises here (no peer left waiting).
-            raise ValueError(
-                "generate: a forward with another cache ran while decoding (guidance_scale or negative_prompt_ids, or "
-                "Phi-3's cache reset when the length crosses original_max_position_embeddings); not supported"
-            )
-        self._pending = None
-        layer = self.layers[layer_idx]
-        if window is not None and window < self.length:
-            layer.window = window  # from the next step on, update drops what falls out of it
-        acc = accumulation_dtype(q.dtype)
-        if k.shape[-2] == 0:  # nothing here yet (a one-token prompt on P ranks)
-            out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc)
-            lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
-        else:
-            mask = self.step_mask(q.shape[2], window, layer.first)
-            out, lse = attention_forward(q, k, v, False, scale, mask=mask, softcap=softcap)
-        out, lse = out.to(acc), lse.to(acc)
-        if self.group is not None:
-            # With the step's first partial (out, lse) goes a checksum of the queries: ranks
-            # whose tokens diverged would otherwise keep decoding different sequences until one
-            # stops at EOS and its peers wait forever. The verdict stays on the device and is
-            # read at the next step's check: one host sync per token, none per layer.
-            check = self._checked_at != self.length
-            columns = [out, lse.unsqueeze(-1)] + ([q.to(acc).sum(-1, keepdim=True)] if check else [])
-            pieces = collectives.all_gather(torch.cat(columns, dim=-1), self.group)
-            if check:
-                self._raise_if_diverged()
-                self._diverged, self._checked_at = _queries_differ([piece[..., -1] for piece in pieces]), self.length
-            d = out.shape[-1]  # the gathered buffers are ours: merge into the first one in place
-            out, lse = pieces[0][..., :d], pieces[0][..., d]
-            for piece in pieces[1:]:  # rank order on every rank: bitwise equal results
-                merge_block(out, lse, piece[..., :d], piece[..., d])
-        out, _ = fold_sinks(out, lse, sinks)
-        return out.to(q.dtype)
-
-    # ------------------------------------------ what transformers asks
-    def _raise_if_diverged(self) -> None:
-        differ = [] if self._diverged is None else self._diverged.tolist()  # the step's one host sync
-        if any(differ):
-            raise RuntimeError(
-                f"generate: rank {differ.index(True) + 1} of the sequence-parallel group decodes other tokens than "
-                "rank 0 (different inputs, weights or generate options on the ranks)"
-            )
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def get_max_length(self, layer_idx=None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a sharded KV cache cannot be rolled back (assisted decoding)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.select_batch(indices)
-        self.valid = self.valid.index_select(0, indices.to(self.valid.device))
-        self._masks = {}
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))
-
-
-def _queries_differ(checksums: list) -> torch.Tensor:
-    """(P - 1,) bool: whether rank r's query checksums differ from rank 0's (every rank sees
-    every checksum, so every rank decides alike)."""
-    reference = checksums[0]
-    others = torch.stack(checksums[1:]).flatten(1)
-    return ((others - reference.flatten()).abs() > 1e-4 + 1e-4 * reference.flatten().abs()).any(1)
-
-
-def kv_bytes(cache) -> int:
-    """Bytes of K/V a transformers cache holds on this rank (a ShardedKVCache: its shard, spare
-    capacity included; a DynamicCache: everything)."""
-    tensors = [x for layer in getattr(cache, "layers", ()) for x in (layer.keys, layer.values) if x is not None]
-    return sum(x.untyped_storage().nbytes() for x in tensors)
 
 
 # ------------------------------------------------------------------ generate
@@ -374,7 +96,7 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.T
             **{cache_keyword(model): cache},
             **kwargs,
         )
-    cache._raise_if_diverged()  # the last step's verdict
+    cache.raise_if_diverged()  # the last step's verdict
     sequences = output if isinstance(output, torch.Tensor) else output.sequences
     _check_same_everywhere(context, sequences, None, False, what="generated tokens")
     return output

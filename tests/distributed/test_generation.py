@@ -9,7 +9,7 @@ from ranks import run_ranks
 from tiny_models import VOCAB, tiny_model
 
 from easy_context import apply_seq_parallel_monkey_patch, generate, remove_seq_parallel_monkey_patch
-from easy_context.hf.generation import GROWTH, ShardedKVCache
+from easy_context.hf.sharded_cache import GROWTH, ShardedKVCache
 
 LOGITS_TOL = 1e-4  # test_models.py's fp32 forward bound; measured: greedy 1.8e-7, gemma2 softcap 3.3e-6
 NEW_TOKENS = 40
