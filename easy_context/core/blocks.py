@@ -17,6 +17,7 @@ from easy_context.core.masking import FULL_ROWS, Block
 
 __all__ = [
     "Kernels",
+    "covers",
     "rows_view",
     "merge_block",
     "forward_blocks",
@@ -48,12 +49,17 @@ def merge_block(
     out.lerp_(block_out.to(out.dtype), weight)
 
 
+def covers(rows: slice, n: int) -> bool:
+    """Whether `rows` selects all n rows (slice(None), or 0..n written out)."""
+    return not rows.start and (rows.stop is None or rows.stop >= n) and rows.step in (None, 1)
+
+
 def rows_view(x: torch.Tensor, rows: slice, batch: slice = FULL_ROWS) -> torch.Tensor:
     """x[batch, :, rows] for (B, H, S, ...) tensors; full slices are skipped (each would be a
     dispatched op: launch-free, yet it counts in the per-layer op budget tests hold us to)."""
     if batch != FULL_ROWS:
         x = x[batch]
-    if not rows.start and (rows.stop is None or rows.stop >= x.shape[2]) and rows.step in (None, 1):
+    if covers(rows, x.shape[2]):
         return x
     return x[:, :, rows]
 
@@ -105,7 +111,7 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
             window=block.window,
             segments=block.segments,
         )
-        if out is None and block.q == FULL_ROWS and block.batch == FULL_ROWS:
+        if out is None and covers(block.q, q.shape[2]) and block.batch == FULL_ROWS:
             out, lse, written = block_out, block_lse.contiguous(), None  # no copy if nothing is merged in
             continue
         if out is None:
@@ -173,7 +179,7 @@ def _accumulate(total, block: Block, rows: slice, block_grad, like, acc):
     """total[rows] += block_grad, where a missing total starts as the block gradient itself
     when the block covers every row (no zero-filled buffer, no copy in fp32)."""
     if total is None:
-        if rows == FULL_ROWS and block.batch == FULL_ROWS:
+        if covers(rows, like.shape[2]) and block.batch == FULL_ROWS:
             return block_grad.to(acc)
         total = torch.zeros_like(like, dtype=acc)
     _part(total, block, rows).add_(block_grad)

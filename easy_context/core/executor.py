@@ -14,7 +14,10 @@ and in the backward its dout/out/lse rows) are fetched while the previous round 
 and what a worker computed for another rank (partial out/lse in the forward, dQ/dK/dV in
 the backward, fp32) travels back while the next round computes. Units a worker computes for
 its own query rows merge straight into its running fp32 state, in round order; returned
-partials merge when they arrive, one round later. Nothing is ever gathered on one rank.
+partials merge when they arrive, one round later. A unit split between its two ranks (rows
+part/parts) is computed apart when it is one kernel call, and its rows merge together with
+the rows the other rank returns: one merge over all rows instead of one per part. Nothing is
+ever gathered on one rank.
 
 Recompute-free checkpointing (remat.py): given the HF layer, a forward re-run by gradient
 checkpointing inside the backward takes the layer's stored output instead of attending again.
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from easy_context.core.blocks import (
     Kernels,
     backward_blocks,
+    covers,
     empty_state,
     finish_forward,
     forward_blocks,
@@ -80,13 +84,9 @@ class Plan(Protocol):
         """Kernel calls of the unit: query rows relative to `rows(unit)`, keys of the K/V owner."""
 
 
-def _covers_all(rows: slice, q_len: int) -> bool:
-    return rows.start in (None, 0) and rows.stop in (None, q_len)
-
-
 def _shifted(blocks: Sequence[Block], rows: slice, q_len: int) -> Sequence[Block]:
     """Blocks relative to `rows` as blocks of all q_len local rows."""
-    if _covers_all(rows, q_len):
+    if covers(rows, q_len):
         return blocks
     start, length = rows.start or 0, rows.stop - (rows.start or 0)
     shifted = []
@@ -101,8 +101,9 @@ def _split_apart(blocks: Sequence[Block], rows: slice, q_len: int) -> bool:
     when it is one kernel call over all of its rows, its result is those rows' partial,
     merged in one go with the part of the unit another rank computed (the middle round of
     dist_flash's schedule splits a unit between its two ranks)."""
-    whole = len(blocks) == 1 and blocks[0].q == FULL_ROWS and blocks[0].batch == FULL_ROWS
-    return whole and not _covers_all(rows, q_len)
+    if covers(rows, q_len) or len(blocks) != 1:
+        return False
+    return covers(blocks[0].q, rows.stop - (rows.start or 0)) and blocks[0].batch == FULL_ROWS
 
 
 def _tile_all_rows(rows: Sequence[slice], q_len: int) -> bool:

@@ -540,3 +540,22 @@ def test_segments_are_checked_and_only_go_where_they_are_taken(monkeypatch):
     assert kernels.select_backend(q, softcap=True, segments=True) is None  # the caller splits the block
     monkeypatch.setenv("EASY_CONTEXT_KERNEL", "math")
     assert kernels.select_backend(q, segments=True) is None
+
+
+def test_large_document_blocks_are_copied_into_one_result(monkeypatch):
+    """Past CONCAT_ELEMENTS the documents' results are copied into one preallocated result (at
+    most one document's result alive besides it), with the same values as concatenated."""
+    from easy_context.core.backends import segments as segments_module
+
+    q, k, v, dout = inputs(4, 2, 40, 40, torch.float32, layout="bshd", seed=6)
+    be, segments = kernels.BACKENDS["cpu_flash"], (0, 9, 30, 40)
+    concatenated = kernels.attention_forward(q, k, v, True, 0.3, be, segments=segments)
+    grads = kernels.attention_backward(dout, q, k, v, *concatenated, True, 0.3, be, segments=segments)
+    monkeypatch.setattr(segments_module, "CONCAT_ELEMENTS", 0)
+    recorder = _OpRecorder()
+    with recorder:
+        copied = kernels.attention_forward(q, k, v, True, 0.3, be, segments=segments)
+        copied_grads = kernels.attention_backward(dout, q, k, v, *copied, True, 0.3, be, segments=segments)
+    assert not any("cat" in str(op) for op in recorder.ops), recorder.ops
+    for got, want in zip((*copied, *copied_grads), (*concatenated, *grads)):
+        assert torch.equal(got, want)
