@@ -269,7 +269,7 @@ def main() -> None:
     base = spec_for(args.seq_len, args.window)
     reference = reference_counts(base)
     print(
-        f"P=2 gloo ranks (rank 0), tiny Llama/Mistral (hidden 64, 4 q / 2 kv heads), S={args.seq_len}, "
+        f"P=2 gloo ranks (the worse rank), tiny Llama/Mistral (hidden 64, 4 q / 2 kv heads), S={args.seq_len}, "
         f"window {args.window}; unpatched: one process, whole sequence\n"
     )
     print(

@@ -145,9 +145,23 @@ def empty_state(q, acc):
 
 def finish_forward(q, state, sinks=None):
     """The merged (out, lse) of q's rows, with the sinks folded in (before out is cast to q's
-    dtype: one rounding)."""
+    dtype: one rounding), out in q's memory layout."""
     out, lse = fold_sinks(*(state if state is not None else empty_state(q, accumulation_dtype(q.dtype))), sinks)
-    return out.to(q.dtype), lse
+    return in_layout_of(q, out.to(q.dtype)), lse
+
+
+def in_layout_of(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x (q's shape but the last dim) with q's memory order, copied only when it has another.
+    Every rank's out then has the same strides (their q's do), which the executor relies on:
+    a rank receives another's rows of out into a buffer shaped like its own."""
+    order = sorted(range(q.dim()), key=lambda d: q.stride(d), reverse=True)
+    strides, step = [0] * x.dim(), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= x.shape[d]
+    if list(x.stride()) == strides or x.numel() == 0:
+        return x
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
 
 
 # Attention sinks (gpt-oss): a learned logit per head that joins every row's softmax

@@ -559,3 +559,17 @@ def test_large_document_blocks_are_copied_into_one_result(monkeypatch):
     assert not any("cat" in str(op) for op in recorder.ops), recorder.ops
     for got, want in zip((*copied, *copied_grads), (*concatenated, *grads)):
         assert torch.equal(got, want)
+
+
+def test_finished_outputs_take_the_queries_memory_layout():
+    """Ranks receive each other's rows of out into buffers shaped like their own out: whatever
+    layout the last kernel or merge left, finish_forward hands back q's (a copy only then)."""
+    from easy_context.core.blocks import finish_forward
+
+    q = torch.randn(1, 6, 4, 8).transpose(1, 2)  # HF's (B, H, S, D) view of (B, S, H, D) memory
+    lse = torch.zeros(1, 4, 6)
+    kept = torch.randn(1, 6, 4, 8).transpose(1, 2)
+    assert finish_forward(q, (kept, lse))[0] is kept
+    contiguous = torch.randn(1, 4, 6, 8)  # a concatenation's layout
+    out = finish_forward(q, (contiguous, lse))[0]
+    assert out.stride() == q.stride() and torch.equal(out, contiguous)
