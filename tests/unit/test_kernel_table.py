@@ -26,7 +26,9 @@ def test_cpu_rows_are_what_select_backend_picks(monkeypatch):
         for head_dim, _ in kernel_table.HEAD_DIMS:
             q = torch.zeros(1, 2, 4, head_dim, dtype=dtypes[row["dtype"]])
             flags = {name: row[name] for name in kernel_table.features()}
-            assert kernels.select_backend(q, **flags).name == row["backends"][0], row
+            chosen = kernels.select_backend(q, **flags)
+            # no backend here takes the call as it is (segments): the caller splits the block
+            assert (chosen.name if chosen else None) == (row["backends"] or [None])[0], row
             checked += 1
     assert checked == len(kernel_table.DTYPES) * 2 ** len(kernel_table.features()) * len(kernel_table.HEAD_DIMS)
 
