@@ -31,6 +31,7 @@ import torch
 
 import easy_context as ec
 from easy_context.hf.architectures import check_training_config
+from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
 from easy_context.programs.checkpointing import CheckpointError, Checkpoints, resolve_resume
 from easy_context.programs.data import (
@@ -361,6 +362,11 @@ def build_model(run: Run):
             "memory; nothing to offload"
         )
     try:
+        # the split for this model's heads on these nodes: what the patch's context derives too
+        run.topology = get_mode(args.parallel_mode).topology(
+            run.world, args.sp_size, args.ring_degree, placement_of(model, run.world)
+        )
+        get_mode(args.parallel_mode).layout(run.topology).check_length(args.seq_length)
         check_config(model.config, run.topology, args.seq_length, args.parallel_mode)
         check_training_config(model.config)
     except ValueError as error:

@@ -84,6 +84,10 @@ SLOW = {
         "test_gpu_check_refuses_bad_arguments",
     },
     "test_groups": ALL,
+    "test_many_nodes": ALL,
+    "test_nodes": {
+        "test_ranks_that_derive_different_splits_are_refused_on_every_rank",
+    },
     "test_masked_models": ALL,
     "test_mixed_precision": ALL,
     "test_model_types_scripts": ALL,

@@ -3,7 +3,10 @@ sp_size = ring_degree x ulysses_degree.
 
 Ranks [g*sp, (g+1)*sp) form SP group g and share one sequence; different SP groups read
 different data. Inside an SP group, Ulysses groups are neighbouring ranks (fast links within
-a node) and ring groups are strided ranks.
+a node) and ring groups are strided ranks. Launchers number ranks node by node (node n holds
+ranks [n*L, (n+1)*L) for L ranks per node), so a Ulysses degree that divides L keeps every
+Ulysses group on one node and puts the ring across nodes; `ranks_per_node` reads L from the
+launcher and `Placement` carries it (and the model's heads) to a mode's default split.
 
 Every group comes from one cache keyed by its sorted rank list (group_for): where two kinds of
 group hold the same ranks (SP and ring when ulysses_degree is 1, SP and Ulysses when
@@ -26,6 +29,9 @@ import torch.distributed as dist
 
 __all__ = [
     "Topology",
+    "Placement",
+    "NODE_SIZE_VARIABLES",
+    "ranks_per_node",
     "SeqParallelGroups",
     "get_groups",
     "group_for",
@@ -72,6 +78,48 @@ class Topology:
 
     def dp_rank(self, rank: int) -> int:
         return rank // self.sp_size
+
+
+# The launchers' count of processes on this rank's node: torchrun's (so also accelerate launch's,
+# which runs torchrun), DeepSpeed's launcher (pdsh/ssh runners; its MPI runners export it too)
+# and Open MPI's (mpirun, deepspeed --launcher openmpi). Each is set only in the processes the
+# launcher starts. Slurm's SLURM_NTASKS_PER_NODE is not read: every process of an allocation
+# inherits it, including one that spawns its ranks itself, where it would describe other tasks.
+NODE_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def ranks_per_node(environ=None) -> int | None:
+    """Processes per node as the launcher reports it (the first of NODE_SIZE_VARIABLES that is
+    set), or None when none is."""
+    environ = os.environ if environ is None else environ
+    for name in NODE_SIZE_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{name}={value!r} is not a process count; set it to the number of ranks per node")
+            return int(value)
+    return None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a mode's default split may follow: ranks per node (None: all on one node) and the
+    model's query and key/value head counts (None: unknown)."""
+
+    ranks_per_node: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+
+    def __post_init__(self):
+        for name in ("ranks_per_node", "heads", "kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Placement {name}={value!r}: give a positive integer or None")
+
+    def nodes_of(self, world_size: int) -> int | None:
+        """Ranks per node when `world_size` ranks fill whole nodes of that size, else None."""
+        node = self.ranks_per_node
+        return node if node is not None and node < world_size and world_size % node == 0 else None
 
 
 @dataclass(frozen=True)
@@ -194,6 +242,7 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
     state = _per_world()
     if topology not in state.by_topology:
         register_exit_teardown()
+        _check_ranks_agree(topology, state.device)
         rank, world = dist.get_rank(), topology.world_size
         sp, u, r = topology.sp_size, topology.ulysses_degree, topology.ring_degree
         sp_lists = [list(range(g * sp, (g + 1) * sp)) for g in range(world // sp)]
@@ -212,8 +261,32 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
         distinct = {id(g): g for g in (groups.sp, groups.ring, groups.ulysses) if g is not None}
         for group in distinct.values():
             dist.barrier(group=group)
+        if os.environ.get("EASY_CONTEXT_LOG_GROUPS", "0") == "1":
+            mine = [next(ranks for ranks in lists if rank in ranks) for lists in (sp_lists, ulysses_lists, ring_lists)]
+            print(
+                f"easy_context groups: rank {rank} node {os.environ.get('GROUP_RANK', '?')} "
+                f"sp={mine[0]} ulysses={mine[1]} ring={mine[2]}",
+                file=sys.stderr,
+                flush=True,
+            )
         state.by_topology[topology] = groups
     return state.by_topology[topology]
+
+
+def _check_ranks_agree(topology: Topology, device) -> None:
+    """Every rank must build the same groups; a rank that derived another split (nodes with
+    different process counts give different defaults) would otherwise wait forever."""
+    mine = torch.tensor([topology.sp_size, topology.ring_degree], device=device or "cpu")
+    pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, mine)
+    splits = [tuple(p.tolist()) for p in pieces]
+    if len(set(splits)) > 1:
+        seen = {split: splits.index(split) for split in splits}
+        raise RuntimeError(
+            "ranks disagree on the split of the SP group (sp_size, ring_degree): "
+            + ", ".join(f"rank {rank} has {split}" for split, rank in seen.items())
+            + "; give every node the same number of processes, or pass sp_size and ring_degree explicitly"
+        )
 
 
 def release_groups() -> None:

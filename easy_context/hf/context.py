@@ -20,12 +20,21 @@ import torch
 
 from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
-from easy_context.core.groups import SeqParallelGroups, Topology, get_groups
+from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get_groups, ranks_per_node
 from easy_context.core.layout import RowLayout
 from easy_context.hf import architectures, patch
 from easy_context.modes import SeqParallelMode, get_mode, modes_with
 
-__all__ = ["OPTIONS", "SequenceParallel", "setup", "teardown", "active", "context_for", "DataParallelShard"]
+__all__ = [
+    "OPTIONS",
+    "SequenceParallel",
+    "setup",
+    "teardown",
+    "active",
+    "context_for",
+    "DataParallelShard",
+    "placement_of",
+]
 
 OPTIONS = ("sp_size", "ring_degree", "document_split")
 SHARD_KEYS = ("local_input_ids", "local_position_ids", "local_target_ids", "local_attention_mask")
@@ -40,12 +49,17 @@ def check_option_names(where: str, options: dict) -> None:
 class SequenceParallel:
     """A mode with its options (sp_size, ring_degree, document_split; None: the default) and the
     model types it patches. The topology follows the world size of the call (the world may be
-    initialised after the patch is applied); groups are created once per topology."""
+    initialised after the patch is applied), the launcher's ranks per node and the model's heads
+    (`heads`: (query heads, key/value heads), None where unknown), which a mode's default split
+    may follow; groups are created once per topology."""
 
-    def __init__(self, mode, model_types=frozenset(), sp_size=None, ring_degree=None, document_split=None):
+    def __init__(
+        self, mode, model_types=frozenset(), sp_size=None, ring_degree=None, document_split=None, *, heads=(None, None)
+    ):
         self.mode: SeqParallelMode = mode if isinstance(mode, SeqParallelMode) else get_mode(mode)
         self.model_types = frozenset(model_types)
         self.sp_size, self.ring_degree, self.document_split = sp_size, ring_degree, document_split
+        self.heads = tuple(heads)
         self.decoding = None  # generation's ShardedKVCache while it decodes: attention goes to the cache
 
     # ------------------------------------------------------------ what it is
@@ -61,9 +75,8 @@ class SequenceParallel:
         return other is not None and (self.mode, *self.options.values()) == (other.mode, *other.options.values())
 
     def topology(self, world_size: int | None = None) -> Topology:
-        return self.mode.topology(
-            collectives.world_size() if world_size is None else world_size, self.sp_size, self.ring_degree
-        )
+        world = collectives.world_size() if world_size is None else world_size
+        return self.mode.topology(world, self.sp_size, self.ring_degree, placement_of(self.heads, world))
 
     def groups(self) -> SeqParallelGroups:
         """This rank's process groups; created at the first call, then cached."""
@@ -85,7 +98,7 @@ class SequenceParallel:
             merged[name] = given if given is not None else mine
         if merged == self.options:
             return self
-        return SequenceParallel(self.mode, self.model_types, **merged)
+        return SequenceParallel(self.mode, self.model_types, **merged, heads=self.heads)
 
     def check_document_split(self) -> None:
         if not self.mode.document_split:
@@ -246,6 +259,27 @@ class DataParallelShard:
         return itertools.islice(self.loader, self.dp_rank, stop, self.dp_size)
 
 
+def model_heads(model_or_config) -> tuple:
+    """(query heads, key/value heads) of a model's (or config's) decoder; (None, None) for a
+    model type, which says nothing about them."""
+    if isinstance(model_or_config, str):
+        return None, None
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
+def placement_of(model_or_heads, world_size: int | None = None) -> Placement:
+    """Where `world_size` ranks (default: this world) run a model (a model, a config, or its
+    (heads, kv_heads)): the launcher's ranks per node, when the world is this process's (a
+    topology asked about for another world size knows no nodes), and the model's heads."""
+    heads = model_or_heads if isinstance(model_or_heads, tuple) else model_heads(model_or_heads)
+    actual = collectives.world_size()
+    node = ranks_per_node() if world_size in (None, actual) else None
+    return Placement(node, *heads)
+
+
 # ---------------------------------------------------------------- the installed context
 def active() -> SequenceParallel | None:
     return patch.active()
@@ -259,7 +293,7 @@ def setup(mode: str | SeqParallelMode, model_or_type, **options) -> SequencePara
     model_types = architectures.model_types_of(model_or_type)
     for model_type in model_types:
         architectures.check_model_type(model_type)
-    context = SequenceParallel(mode, model_types, **options)
+    context = SequenceParallel(mode, model_types, **options, heads=model_heads(model_or_type))
     context.topology()  # impossible combinations fail now
     if context.document_split:
         context.check_document_split()

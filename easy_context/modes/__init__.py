@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from easy_context.core.groups import Topology, divisors
+from easy_context.core.groups import Placement, Topology, divisors
 from easy_context.core.layout import WHOLE_SEQUENCE, Layout
 from easy_context.modes.costs import Activations, AttentionShape, Traffic
 
@@ -31,8 +31,9 @@ def no_activations(shape: AttentionShape) -> Activations:
 @dataclass(frozen=True)
 class SeqParallelMode:
     name: str
-    # (sp_size, requested ring_degree or None) -> ring_degree; raises for impossible requests.
-    ring_degree: Callable[[int, int | None], int]
+    # (sp_size, requested ring_degree or None, placement: the nodes and heads the default may
+    # follow, or None) -> ring_degree; raises for impossible requests.
+    ring_degree: Callable[[int, int | None, Placement | None], int]
     zigzag: bool
     # (q, k, v, scale, groups: SeqParallelGroups, layer=None, mask=None, softcap=None,
     # sinks=None) -> out; q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D), out (B, Hq, S_local, D);
@@ -72,7 +73,15 @@ class SeqParallelMode:
             return tuple(self.ring_degree_choices(sp_size))
         return (self.ring_degree(sp_size, None),)
 
-    def topology(self, world_size: int, sp_size: int | None = None, ring_degree: int | None = None) -> Topology:
+    def topology(
+        self,
+        world_size: int,
+        sp_size: int | None = None,
+        ring_degree: int | None = None,
+        placement: Placement | None = None,
+    ) -> Topology:
+        """The split of `world_size` ranks; `placement` (ranks per node, the model's heads) lets a
+        mode's default follow the nodes: usp_attn's ring across them."""
         if self.attention is None:  # data_parallel: every rank holds whole sequences
             if sp_size not in (None, 1) or ring_degree not in (None, 1):
                 raise ValueError(
@@ -84,7 +93,9 @@ class SeqParallelMode:
             raise ValueError(
                 f"sp_size={sp_size} does not divide the world size {world_size}; choose one of {divisors(world_size)}"
             )
-        return Topology(world_size, sp, self.ring_degree(sp, ring_degree))
+        if placement is not None and placement.nodes_of(world_size) is None:
+            placement = Placement(None, placement.heads, placement.kv_heads)  # not whole nodes: one node
+        return Topology(world_size, sp, self.ring_degree(sp, ring_degree, placement))
 
     def layout(self, topology: Topology) -> Layout:
         if self.attention is None or topology.sp_size == 1:
@@ -95,7 +106,7 @@ class SeqParallelMode:
 def fixed_ring_degree(mode: str, value_of_sp: Callable[[int], int], hint: str):
     """A ring_degree rule for modes whose split is fixed; refuses any other request."""
 
-    def rule(sp_size: int, requested: int | None) -> int:
+    def rule(sp_size: int, requested: int | None, placement: Placement | None = None) -> int:
         value = value_of_sp(sp_size)
         if requested not in (None, value):
             raise ValueError(

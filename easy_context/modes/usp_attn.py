@@ -7,15 +7,27 @@ differs from ulysses_attn; the attention function is the same.
 
 from __future__ import annotations
 
-from easy_context.core.groups import divisors
+from easy_context.core.groups import Placement, divisors
 from easy_context.modes import SeqParallelMode
 from easy_context.modes.ulysses_attn import ulysses_activations, ulysses_attention, ulysses_traffic
 
 
-def _ring_degree(sp_size: int, requested: int | None) -> int:
-    # Default: pure Ulysses (the least communication); pass ring_degree when the heads
-    # don't split over sp_size, or to run the ring across nodes.
-    return 1 if requested is None else requested
+def _ring_degree(sp_size: int, requested: int | None, placement: Placement | None = None) -> int:
+    """An explicit ring_degree wins. Else, on one node, pure Ulysses (the least communication);
+    when the SP group spans nodes, Ulysses inside a node and the ring across nodes: the Ulysses
+    degree is the largest that divides the ranks per node (so its groups, consecutive ranks,
+    stay on one node) and the query and key/value heads (no head is repeated), and the ring
+    runs over the rest. An all-to-all over the network is what this avoids."""
+    if requested is not None:
+        return requested
+    if placement is None or placement.ranks_per_node is None:
+        return 1
+    node = placement.ranks_per_node
+    if sp_size <= node and node % sp_size == 0:  # every SP group on one node
+        return 1
+    heads = [h for h in (placement.heads, placement.kv_heads) if h is not None]
+    ulysses = max(u for u in divisors(sp_size) if node % u == 0 and all(h % u == 0 for h in heads))
+    return sp_size // ulysses
 
 
 MODE = SeqParallelMode(

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from easy_context.hf.api import gather_seq_parallel_outputs, prepare_seq_parallel_inputs
 from easy_context.hf.architectures import logits_head
+from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
 
 __all__ = ["DEFAULT_EVAL_MODEL", "resolve_model", "TokenScores", "SeqParallelScorer", "eval_dtype", "load_scorer"]
@@ -90,7 +91,7 @@ class SeqParallelScorer:
         self.mode_name, self.mode = mode, get_mode(mode)
         self.rank, self.world_size, self.device, self.chunk_size = rank, world_size, device, chunk_size
         self.options = {"sp_size": sp_size, "ring_degree": ring_degree}
-        self.topology = self.mode.topology(world_size, sp_size, ring_degree)
+        self.topology = self.mode.topology(world_size, sp_size, ring_degree, placement_of(self.model, world_size))
         self.layout = self.mode.layout(self.topology)
 
     # ------------------------------------------------------------------ one sequence
@@ -178,7 +179,8 @@ def load_scorer(
 
     rank, world = accelerator.process_index, accelerator.num_processes
     model, tokenizer = load_pretrained(source, rope_theta, eval_dtype(dtype, accelerator.device))
-    check_config(model.config, get_mode(mode).topology(world, sp_size, ring_degree), max_length, mode)
+    topology = get_mode(mode).topology(world, sp_size, ring_degree, placement_of(model, world))
+    check_config(model.config, topology, max_length, mode)
     api.apply_seq_parallel_monkey_patch(mode, model, sp_size=sp_size, ring_degree=ring_degree)
     model.eval()
     deepspeed = accelerator.state.deepspeed_plugin is not None

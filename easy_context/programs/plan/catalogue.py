@@ -176,7 +176,16 @@ DEVICES["h100"] = DEVICES["h100-80g"]
 DEVICES["a100"] = DEVICES["a100-80g"]
 
 
-def get_device(name: str | None, memory_gib: float | None = None) -> Device:
+def get_device(
+    name: str | None,
+    memory_gib: float | None = None,
+    *,
+    per_node: int | None = None,
+    link_gbs: float | None = None,
+    network_gbs: float | None = None,
+) -> Device:
+    """A named device; memory, devices per node and the two link bandwidths (inside a node,
+    across nodes) override its own where given."""
     if name is None:
         name = "h100-80g"
     key = name.lower()
@@ -191,6 +200,15 @@ def get_device(name: str | None, memory_gib: float | None = None) -> Device:
         if memory_gib <= 0:
             raise PlanError(f"--gpu-memory-gib must be positive, got {memory_gib}")
         device = replace(device, memory_gib=memory_gib)
+    for flag, field, value in (
+        ("--gpus-per-node", "per_node", per_node),
+        ("--link-gbs", "link_gbs", link_gbs),
+        ("--network-gbs", "network_gbs", network_gbs),
+    ):
+        if value is not None:
+            if value <= 0:
+                raise PlanError(f"{flag} must be positive, got {value}")
+            device = replace(device, **{field: value})
     return device
 
 

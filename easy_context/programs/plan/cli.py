@@ -73,8 +73,13 @@ def render(result: dict, rows: list) -> str:
         f"{result['seq_length']} tokens on {result['gpus']} x {dev['name']} ({dev['memory_gib']:.1f} GiB each), "
         f"{result['dtype']}, "
         f"safety margin {result['margin']:.0%}",
-        "",
     ]
+    if result["gpus"] > dev["per_node"]:
+        out.append(
+            f"{-(-result['gpus'] // dev['per_node'])} nodes of {dev['per_node']}: {dev['link_gbs']:g} GB/s per device "
+            f"inside a node, {dev['network_gbs']:g} GB/s across nodes"
+        )
+    out.append("")
     out.append("| " + " | ".join(COLUMNS) + " |")
     out.append("|" + "---|" * len(COLUMNS))
     for i, r in enumerate(rows, 1):
@@ -112,6 +117,19 @@ def parse_args(argv=None):
         default=None,
         help="memory per device (overrides the named GPU's; cpu: this machine's memory / --gpus)",
     )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="devices per node (default: the GPU's usual node, 8; cpu: one node); groups that span nodes are "
+        "priced at --network-gbs",
+    )
+    p.add_argument(
+        "--link-gbs", type=float, default=None, help="GB/s per device inside a node, one way (default: the GPU's)"
+    )
+    p.add_argument(
+        "--network-gbs", type=float, default=None, help="GB/s per device across nodes, one way (default: the GPU's)"
+    )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (cpu: fp32)")
     p.add_argument(
         "--margin", type=float, default=0.10, help="safety margin: a row fits when peak <= memory x (1 - margin)"
@@ -141,7 +159,13 @@ def main(argv=None) -> int:
             if unknown:
                 raise PlanError(f"unknown mode(s) {unknown}; choose from {list(BUILT_MODES)}")
         model = load_model(args.model)
-        device = get_device(args.gpu, args.gpu_memory_gib)
+        device = get_device(
+            args.gpu,
+            args.gpu_memory_gib,
+            per_node=args.gpus_per_node,
+            link_gbs=args.link_gbs,
+            network_gbs=args.network_gbs,
+        )
         if device.name == "cpu" and args.gpu_memory_gib is None:  # the ranks share the machine's memory
             device = replace(device, memory_gib=device.memory_gib / max(1, args.gpus))
         for name in ("tiled_mlp", "loss_chunk_size", "top"):

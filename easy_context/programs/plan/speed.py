@@ -31,8 +31,17 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
         flops += 2 * model.vocab * h  # output layer forward again (train.py checkpoints each loss chunk)
     t_compute = s * flops / (device.tflops * 1e12 * EFFICIENCY)
 
-    def bw(group: int, stride: int = 1) -> float:  # a group of `group` ranks `stride` apart
-        return (device.link_gbs if group * stride <= device.per_node else device.network_gbs) * 1e9
+    # Ranks fill nodes in order, min(per_node, gpus) to a node. A group of `group` ranks `stride`
+    # apart starts at a multiple of its span (group x stride consecutive ranks): it stays on one
+    # node when its span divides the node's ranks, and else crosses the network, whose
+    # bandwidth then bounds it (a ring runs at its slowest hop; an all-to-all waits for its
+    # slowest pair). usp_attn's ring (stride u) with Ulysses (u | node) inside a node is the case
+    # this prices: the all-to-all on the node's links, only the ring on the network.
+    node = min(device.per_node, gpus)
+
+    def bw(group: int, stride: int = 1) -> float:
+        span = group * stride
+        return (device.link_gbs if span <= node and node % span == 0 else device.network_gbs) * 1e9
 
     passes = 3 if o.checkpointing else 2  # forward, (recompute,) backward
     traffic = mode.traffic(attention_shape(model, o, a, seq))
