@@ -26,7 +26,17 @@ def test_every_mode_under_fsdp_trains_like_one_process(tmp_path):
     runs = {
         "zigzag": ["--parallel_mode", "zigzag_ring_attn", "--checkpointing-steps", "2"],
         "ulysses": ["--parallel_mode", "ulysses_attn"],
-        "usp": ["--parallel_mode", "usp_attn", "--ring_degree", "2"],
+        # MLPs over tiles and the loss over chunks, each under checkpointing inside the FSDP units
+        "usp+tiles": [
+            "--parallel_mode",
+            "usp_attn",
+            "--ring_degree",
+            "2",
+            "--tiled-mlp",
+            "48",
+            "--loss-chunk-size",
+            "50",
+        ],
         # with checkpointing (dist_flash's recompute-free backward) and the offload policy
         "dist_flash+checkpointing+offload": [
             "--parallel_mode",
