@@ -33,6 +33,7 @@ import easy_context as ec
 from easy_context.hf.architectures import check_training_config
 from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
+from easy_context.programs import fsdp
 from easy_context.programs.checkpointing import CheckpointError, Checkpoints, resolve_resume
 from easy_context.programs.data import (
     BYTE_EOS_ID,
@@ -171,6 +172,13 @@ def parse_args(argv=None):
         help="tracker (auto: tensorboard when installed)",
     )
     p.add_argument("--max-rows", type=int, default=None, help="use at most this many dataset rows")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard weights, gradients and optimizer state over every rank with PyTorch FSDP2 (fully_shard per "
+        "decoder layer, then the root); launch with torchrun",
+    )
+    p.add_argument("--fsdp-offload", action="store_true", help="with --fsdp: keep the sharded state in host memory")
     add_dist_timeout_flag(p)
     args = p.parse_args(argv)
 
@@ -203,6 +211,7 @@ def parse_args(argv=None):
         )
     if args.tiled_mlp < 0:
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
+    errors += fsdp.flag_errors(args)
     if ring_error := ring_degree_error(args):
         errors.append(ring_error)
     if args.streaming and args.dataset is None:
@@ -255,9 +264,12 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
     trainable, tokenizer = build_model(run)
     batches = build_data(run, tokenizer, trainable.config.vocab_size)
     optimizer, scheduler = build_optimizer(run, trainable)
-    # DDP (MULTI_CPU / MULTI_GPU) or DeepSpeed: gradients are averaged over every rank.
+    # DDP (MULTI_CPU / MULTI_GPU), DeepSpeed or --fsdp: gradients are averaged over every rank.
     stage.at("preparing the model (DDP / DeepSpeed)")
-    trainable, optimizer, scheduler = accelerator.prepare(trainable, optimizer, scheduler)
+    if args.fsdp:  # sharded already: accelerate would wrap it in DDP
+        optimizer, scheduler = fsdp.prepare(accelerator, trainable, optimizer, scheduler)
+    else:
+        trainable, optimizer, scheduler = accelerator.prepare(trainable, optimizer, scheduler)
     checkpoints = Checkpoints(accelerator, args)
     step, skipped, resumed = resume_run(run, checkpoints)
     log = TrainingLog(run, tracker, step, resumed)
@@ -341,6 +353,8 @@ def set_up_run(args, accelerator, stage: Stage) -> Run:
         )
     if deepspeed is not None and args.compile:
         fail("--compile is not supported under DeepSpeed (its engine wraps the model); drop --compile")
+    if refusal := fsdp.refusal(args, accelerator):
+        fail(refusal)
     # --balance-documents: every document is split over the ring (document_split); Ulysses alone is
     # balanced already.
     split = args.balance_documents and mode.document_split
@@ -380,11 +394,17 @@ def build_model(run: Run):
         ring_degree=args.ring_degree,
         document_split=run.document_split or None,
     )
+    trainable = CausalLMLoss(model, args.loss_chunk_size)
+    if args.fsdp:
+        run.stage.at("sharding the model (FSDP2)")
+        fsdp.shard_model(
+            trainable, model.get_decoder().layers, accelerator.device, accelerator.mixed_precision, args.fsdp_offload
+        )
     if args.compile:
         # In place: parameter names, and so checkpoints, stay those of the eager model. The
         # decoder is what the loss calls; the output layer runs in chunks under checkpointing.
         model.get_decoder().compile()
-    return CausalLMLoss(model, args.loss_chunk_size), tokenizer
+    return trainable, tokenizer
 
 
 def load_model(args, dtype, device):
@@ -706,7 +726,7 @@ def save_model(run: Run, trainable, tokenizer, loss: float) -> None:
     accelerator, output_dir = run.accelerator, run.args.output_dir
     run.stage.at("saving the model")
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(trainable)
+    state_dict = fsdp.full_state_dict(trainable) if run.args.fsdp else accelerator.get_state_dict(trainable)
     if accelerator.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         unwrapped = accelerator.unwrap_model(trainable).model

@@ -60,6 +60,8 @@ SLOW = {
     "test_errors": {
         "test_forgotten_positions_and_unsplittable_heads_are_refused_on_every_rank",
     },
+    "test_fsdp": ALL,
+    "test_train_fsdp": ALL,
     "test_eval": {
         "test_eval_needle_parallel_equals_single_process_and_writes_the_grid",
         "test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun",

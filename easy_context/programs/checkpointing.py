@@ -52,6 +52,7 @@ RESUME_KEYS = (
     "learning_rate",
     "warmup_steps",
     "weight_decay",
+    "fsdp",
     "rope_theta",
     "world_size",
     "document_masking",
@@ -109,6 +110,7 @@ def legacy_resume_values(saved: dict) -> dict:
     return {
         "text_column": "text",
         "streaming": False,
+        "fsdp": False,
         "retrieval_fraction": 0.0 if saved.get("dataset") is None else None,
     }
 

@@ -35,6 +35,8 @@ FLAG_CASES = [  # (script, flags, message): refused by parse_args before anythin
     ("train.py", ["--gradient-accumulate-every", "0"], "--gradient-accumulate-every must be >= 1, got 0"),
     ("train.py", ["--loss-chunk-size", "0"], "--loss-chunk-size must be >= 1, got 0"),
     ("train.py", ["--balance-documents"], "--balance-documents needs --document-masking"),
+    ("train.py", ["--fsdp-offload"], "--fsdp-offload needs --fsdp"),
+    ("train.py", ["--fsdp", "--compile"], "--fsdp with --compile is not supported"),
     (
         "train.py",
         ["--warmup-steps", "100", "--max-train-steps", "60"],
@@ -121,10 +123,16 @@ def test_train_refuses_bad_runs_with_one_line(tmp_path):
         ([*small, "--resume-from-checkpoint", str(foreign)], "not a train.py checkpoint"),
         ([*small, "--sp-size", "2"], "sp_size=2 does not divide the world size 1; choose one of [1]"),
         ([*small, "--batch-size", "4", "--max-rows", "2"], "2 rows of 257 tokens are fewer than one step needs (4)"),
+        ([*small, "--fsdp"], "--fsdp shards over the processes, and this run has 1; launch 2 or more"),
     ]
     for flags, message in cases:
         code, stderr = run("train.py", *flags)
         assert code == 2 and message in stderr and "Traceback" not in stderr, (flags, stderr[-2000:])
+    # accelerate launch with an FSDP config: on CPU accelerate would silently run DDP instead
+    code, stderr = run("train.py", *small, env={"ACCELERATE_USE_FSDP": "true"})
+    assert (
+        code == 2 and "accelerate's FSDP config is not supported by train.py" in stderr and "Traceback" not in stderr
+    ), stderr[-2000:]
 
     # A checkpoint whose flags differ from this run's: refused before anything is loaded from it.
     code, stderr = run("train.py", *small, "--max-rows", "4", "--max-train-steps", "2", "--checkpointing-steps", "1")

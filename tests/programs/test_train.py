@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--learning-rate", "1e-3"]
 
 
-def train(tmp_path, name, processes, *flags, timeout=240):
+def train(tmp_path, name, processes, *flags, timeout=240, env=None):
     out = tmp_path / name
     command = [
         sys.executable,
@@ -32,7 +32,7 @@ def train(tmp_path, name, processes, *flags, timeout=240):
         *SMALL,
         *flags,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
