@@ -84,6 +84,8 @@ SLOW = {
         "test_gpu_check_refuses_bad_arguments",
     },
     "test_groups": ALL,
+    "test_lora": ALL,
+    "test_lora_scripts": ALL,
     "test_masked_models": ALL,
     "test_mixed_precision": ALL,
     "test_model_types_scripts": ALL,
