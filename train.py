@@ -222,6 +222,8 @@ def parse_args(argv=None):
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
     if args.lora_r is not None and args.lora_r < 1:
         errors.append(f"--lora-r must be >= 1, got {args.lora_r}")
+    if args.lora_alpha is not None and not args.lora_alpha > 0:
+        errors.append(f"--lora-alpha must be > 0 (the adapters' scale is alpha / r), got {args.lora_alpha}")
     if args.lora_r is None and (args.lora_alpha is not None or args.lora_targets is not None):
         errors.append("--lora-alpha and --lora-targets need --lora-r (the adapters' rank)")
     if args.lora_r is not None and args.model is None:

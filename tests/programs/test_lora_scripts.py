@@ -20,7 +20,7 @@ pytest.importorskip("peft", reason="the lora extra (peft) is not installed")
 
 LORA = ["--lora-r", "4", "--max-train-steps", "3", "--learning-rate", "1e-2"]
 MODES = {
-    "zigzag": ["--parallel_mode", "zigzag_ring_attn"],
+    "zigzag": ["--parallel_mode", "zigzag_ring_attn", "--activation-checkpointing"],  # LoRA's usual companion
     "dist_flash": ["--parallel_mode", "dist_flash_attn"],
     "ulysses": ["--parallel_mode", "ulysses_attn"],
     "usp": ["--parallel_mode", "usp_attn", "--ring_degree", "2"],

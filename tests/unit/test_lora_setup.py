@@ -131,8 +131,40 @@ def test_train_py_refuses_bad_lora_flags(capsys):
     for flags, messages in [
         (["--lora-r", "0"], ["--lora-r must be >= 1, got 0", "--lora-r needs --model"]),
         (["--lora-targets", "q_proj"], ["--lora-alpha and --lora-targets need --lora-r"]),
+        (["--lora-r", "4", "--model", "m", "--lora-alpha", "0"], ["--lora-alpha must be > 0 (the adapters' scale"]),
     ]:
         with pytest.raises(SystemExit) as caught:
             train.parse_args(flags)
         err = capsys.readouterr().err
         assert caught.value.code == 2 and all(m in err for m in messages), (flags, err)
+
+
+def test_train_py_refuses_accelerate_context_parallelism_and_an_adapter_as_the_model(tmp_path, capsys):
+    import train
+
+    args = train.parse_args(["--parallel_mode", "zigzag_ring_attn", "--output-dir", str(tmp_path)])
+    accelerator = _accelerator(cp_size=2)
+    accelerator.num_processes = 1
+    with pytest.raises(SystemExit) as caught:
+        train.set_up_run(args, accelerator, train.Stage())
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "ParallelismConfig sets cp_size=2" in err and "'zigzag_ring_attn'" in err
+
+    adapter = tmp_path / "adapter"
+    trained = add_lora(tiny_model("llama"), 4)
+    trained.peft_config["default"].base_model_name_or_path = "some/base"
+    trained.save_pretrained(adapter)
+    args = train.parse_args(["--model", str(adapter), "--output-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as caught:
+        train.load_model(args, torch.float32, torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "holds a LoRA adapter, not a model: pass its base (some/base)" in err
+
+
+def test_the_eval_scripts_loader_refuses_accelerate_sequence_parallelism():
+    from easy_context.programs.evaluation import load_scorer
+
+    accelerator = _accelerator(sp_size=2)
+    accelerator.process_index, accelerator.num_processes = 0, 1
+    with pytest.raises(ValueError, match="ParallelismConfig sets sp_size=2"):
+        load_scorer(accelerator, "no/such-model", "ulysses_attn", max_length=64)  # refused before loading
