@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
+from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
 from easy_context.hf.architectures import check_training_config
 from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
@@ -57,6 +58,7 @@ from easy_context.programs.launch import (
     run_main,
 )
 from easy_context.programs.launch import fail as launch_fail
+from easy_context.programs.lora import adapter_base, add_lora
 from easy_context.programs.loss import CausalLMLoss, global_token_mean
 from easy_context.programs.models import check_config, load_config, load_pretrained
 from easy_context.programs.tiled_mlp import tile_mlps
@@ -122,6 +124,22 @@ def parse_args(argv=None):
         default=0,
         metavar="TOKENS",
         help="run MLPs over sequence tiles of this many tokens (0: off)",
+    )
+    p.add_argument(
+        "--lora-r",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train rank-R LoRA adapters (peft) instead of every weight; saves only the adapter (needs --model)",
+    )
+    p.add_argument(
+        "--lora-alpha", type=float, default=None, help="the adapters' scale is alpha / R (default 2R; with --lora-r)"
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated linear layers to adapt, e.g. q_proj,v_proj (default: the attention projections)",
     )
     p.add_argument(
         "--compile",
@@ -212,6 +230,17 @@ def parse_args(argv=None):
     if args.tiled_mlp < 0:
         errors.append(f"--tiled-mlp must be >= 0, got {args.tiled_mlp}")
     errors += fsdp.flag_errors(args)
+    if args.lora_r is not None and args.lora_r < 1:
+        errors.append(f"--lora-r must be >= 1, got {args.lora_r}")
+    if args.lora_alpha is not None and not args.lora_alpha > 0:
+        errors.append(f"--lora-alpha must be > 0 (the adapters' scale is alpha / r), got {args.lora_alpha}")
+    if args.lora_r is None and (args.lora_alpha is not None or args.lora_targets is not None):
+        errors.append("--lora-alpha and --lora-targets need --lora-r (the adapters' rank)")
+    if args.lora_r is not None and args.model is None:
+        errors.append(
+            "--lora-r needs --model (the pretrained base the adapter is saved against; the default model's "
+            "random weights are not saved)"
+        )
     if ring_error := ring_degree_error(args):
         errors.append(ring_error)
     if args.streaming and args.dataset is None:
@@ -342,6 +371,11 @@ def set_up_run(args, accelerator, stage: Stage) -> Run:
         mode.layout(topology).check_length(args.seq_length)
     except ValueError as error:
         fail(f"{error} (--parallel_mode {args.parallel_mode}, {world} processes, --seq-length {args.seq_length})")
+    if mode.sequence_parallel:
+        try:
+            check_accelerate_parallelism(accelerator, args.parallel_mode)
+        except ValueError as error:
+            fail(str(error))
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None and args.skip_nonfinite_steps:
         # accelerate's DeepSpeed wrapper steps the engine inside backward at the accumulation
@@ -387,6 +421,12 @@ def build_model(run: Run):
         fail(str(error))
     if args.document_masking and tokenizer.eos_token_id is None:
         fail("--document-masking needs a tokenizer with an EOS token (documents are separated by EOS)")
+    if args.lora_r is not None:
+        targets = args.lora_targets.split(",") if args.lora_targets else None
+        try:
+            model = add_lora(model, args.lora_r, args.lora_alpha, targets)
+        except (ValueError, ImportError) as error:
+            fail(f"--lora-r {args.lora_r}: {error}")
     ec.apply_seq_parallel_monkey_patch(
         args.parallel_mode,
         model,
@@ -416,6 +456,11 @@ def load_model(args, dtype, device):
             torch.manual_seed(args.seed)
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
             tokenizer = byte_tokenizer()
+        elif adapter_base(args.model) is not None:
+            fail(
+                f"--model {args.model} holds a LoRA adapter, not a model: pass its base "
+                f"({adapter_base(args.model)}) as --model (with --lora-r to train a new adapter)"
+            )
         else:
             model, tokenizer = load_pretrained(args.model, args.rope_theta, dtype)
     except (ValueError, OSError) as error:
@@ -722,7 +767,8 @@ def peak_rss_mib() -> float | None:
 
 # ------------------------------------------------------------------------------- finish
 def save_model(run: Run, trainable, tokenizer, loss: float) -> None:
-    """The trained model (without the loss wrapper) and tokenizer, save_pretrained into --output-dir."""
+    """The trained model (without the loss wrapper) and tokenizer, save_pretrained into --output-dir;
+    with --lora-r the PeftModel's save_pretrained writes the adapter only."""
     accelerator, output_dir = run.accelerator, run.args.output_dir
     run.stage.at("saving the model")
     accelerator.wait_for_everyone()

@@ -11,6 +11,10 @@ Rows, each in fresh processes (CPU, gloo, 2 threads in all):
                   chunked loss (1024 tokens).
   MODE P=2 compiled  (--compile) MODE P=2 with the decoder torch.compile'd (inductor) after
                   patching; the first step compiles, so its memory includes the compiler's.
+  MODE P=2 +mem full / lora rR  (--lora R) fine-tuning every weight against rank-R LoRA
+                  adapters on the attention projections (peft; train.py --lora-r): the +mem
+                  step plus an AdamW step over the trainable weights, so that their gradients
+                  and optimizer state count.
 Columns: tokens/s of the whole step (all ranks together; the mean of --timed-steps steps
 after the first), per-rank peak
 memory of the first step (peak RSS above the RSS of the built model, from /proc/self/status
@@ -73,6 +77,13 @@ def _worker(rank, world, spec, workdir):
 
     seq, mode, memory, vocab = spec["seq"], spec["mode"], spec["memory"], spec["vocab"]
     model = tiny_llama(vocab, checkpointing=memory, tile=1024 if memory else 0)
+    optimizer = None
+    if spec.get("optimizer"):
+        if spec.get("lora"):
+            from easy_context.programs.lora import add_lora
+
+            model = add_lora(model, spec["lora"])
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     tokens = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(1))
     if mode is None:  # plain HF: full logits, HF's loss
 
@@ -95,6 +106,12 @@ def _worker(rank, world, spec, workdir):
                 hidden, model.get_output_embeddings(), local["local_target_ids"], chunk
             )
             global_token_mean(loss_sum, local["local_target_ids"])[0].backward()
+            if optimizer is not None:  # what DDP does: average the trainable weights' gradients, then step
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+                optimizer.step()
 
         local_tokens = local["local_input_ids"].shape[1]
     if spec.get("profile"):  # where the memory goes (live tensors at the peak), then stop
@@ -181,6 +198,13 @@ def main():
     parser.add_argument(
         "--compile", action="store_true", help="add 'MODE P=2 compiled': the decoder torch.compile'd after patching"
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="R",
+        help="add 'MODE P=2 +mem full' and 'MODE P=2 +mem lora rR': every weight vs rank-R adapters, with AdamW",
+    )
     parser.add_argument("--timed-steps", type=int, default=1, help="steps timed after the first (their mean)")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for CI")
@@ -195,11 +219,18 @@ def main():
     budget = args.memory_budget_gib or memory_total_gib()
     if args.timed_steps < 1:
         parser.error(f"--timed-steps must be >= 1, got {args.timed_steps}")
+    if args.lora is not None and args.lora < 1:
+        parser.error(f"--lora must be >= 1 (the adapters' rank), got {args.lora}")
     configs = [("hf-plain", None, False, 1, False)]
+    extras = {}  # config name -> what its spec adds
     for mode in args.modes.split(","):
         configs += [(f"{mode} P=2", mode, False, 2, False), (f"{mode} P=2 +mem", mode, True, 2, False)]
         if args.compile:
             configs.append((f"{mode} P=2 compiled", mode, False, 2, True))
+        if args.lora:
+            for name, rank in ((f"{mode} P=2 +mem full", 0), (f"{mode} P=2 +mem lora r{args.lora}", args.lora)):
+                configs.append((name, mode, True, 2, False))
+                extras[name] = {"optimizer": True, "lora": rank}
     if args.configs or args.profile:
         wanted = set((args.configs or args.profile).split(","))
         configs = [c for c in configs if c[0] in wanted]
@@ -214,6 +245,7 @@ def main():
     for seq in seqs:
         for name, mode, memory, world, compiled in configs:
             spec = {"seq": seq, "mode": mode, "memory": memory, "vocab": vocab, "profile": bool(args.profile)}
+            spec.update(extras.get(name, {}))
             result = run({**spec, "compile": compiled, "timed_steps": args.timed_steps}, world)
             rows.append({"config": name, "seq": seq, "world": world, **(result or {})})
             if result:
@@ -248,7 +280,9 @@ def main():
         fit = {"config": name, "slope_kib_per_token": slope * 1024, "fixed_mib": fixed, "longest_tokens": longest}
         if memory and args.verify_length:
             result = run(
-                {"seq": args.verify_length, "mode": mode, "memory": True, "vocab": vocab, "one_step": True}, world
+                {"seq": args.verify_length, "mode": mode, "memory": True, "vocab": vocab, "one_step": True}
+                | extras.get(name, {}),
+                world,
             )
             fit.update(
                 verify_tokens=args.verify_length,

@@ -3,7 +3,7 @@
 SUPPORTED is what pyproject.toml declares (a test keeps the two equal) and what CI runs: the
 fast tier of the tests on every floor, in an environment of its own, next to the whole suite on
 the pinned versions. An installed version outside its range is refused with one message
-(at `import easy_context` for torch and transformers, when it is first used for accelerate);
+(at `import easy_context` for torch and transformers, when it is first used for accelerate and peft);
 EASY_CONTEXT_ALLOW_UNSUPPORTED=1 turns the refusal into a warning, to try a new release.
 
 Within the supported ranges some transformers APIs changed (docs/compatibility.md lists
@@ -40,6 +40,7 @@ SUPPORTED = {
     "transformers": ("5.9", "6"),
     "accelerate": ("1.10.1", "2"),  # the train / eval extras
     "datasets": ("5.0", None),  # the train / eval extras; 5.0 is the first whose JSON streams declare their types
+    "peft": ("0.21.2", "1"),  # the lora extra (train.py --lora-r, adapters in the eval scripts); the release tested
 }
 
 
@@ -117,6 +118,8 @@ def cache_keyword(model) -> str:
     transformers (5.24 on; it still takes the old name, with a warning), 'past_key_values' before."""
     while not hasattr(model, "config") and hasattr(model, "module"):  # DDP / DeepSpeed engine
         model = model.module
+    if callable(getattr(model, "get_base_model", None)):  # a PeftModel: its forward passes **kwargs on
+        model = model.get_base_model()
     return _cache_keyword(type(model))
 
 

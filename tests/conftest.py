@@ -90,6 +90,8 @@ SLOW = {
     "test_nodes": {
         "test_ranks_that_derive_different_splits_are_refused_on_every_rank",
     },
+    "test_lora": ALL,
+    "test_lora_scripts": ALL,
     "test_masked_models": ALL,
     "test_mixed_precision": ALL,
     "test_model_types_scripts": ALL,

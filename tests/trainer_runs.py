@@ -72,7 +72,7 @@ def _as_distributed(rank: int, world: int) -> None:
 
 
 def train(rank: int, world: int, spec: dict) -> dict:
-    """spec: mode, options, collator, batch, accumulate, steps, out, save_steps, resume, sft."""
+    """spec: mode, options, collator, batch, accumulate, steps, out, save_steps, resume, sft, lora (a rank)."""
     _as_distributed(rank, world)
     from datasets import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -108,6 +108,10 @@ def train(rank: int, world: int, spec: dict) -> dict:
         disable_tqdm=True,
     )
     model = tiny_llama()
+    if spec.get("lora"):  # rank-r adapters on the attention projections; the base frozen
+        from easy_context.programs.lora import add_lora
+
+        model = add_lora(model, spec["lora"])
     if spec.get("sft"):
         from trl import SFTConfig, SFTTrainer
 

@@ -10,6 +10,7 @@ what runs on it (generation, the Trainer adapter, the replica guard).
     generation.py     generate: prompt checks, sharded prefill, then transformers' decoding
     sharded_cache.py  ShardedKVCache: the KV cache sharded over the SP group, exact attention per step
     trainer.py        prepare_trainer: HF Trainer / TRL SFTTrainer in one line
+    accelerate_parallelism.py  refuses accelerate's own context / sequence parallelism next to ours
 """
 
 from easy_context.core.collectives import world_size

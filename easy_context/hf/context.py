@@ -22,7 +22,7 @@ from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
 from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get_groups, ranks_per_node
 from easy_context.core.layout import RowLayout
-from easy_context.hf import architectures, patch
+from easy_context.hf import architectures, patch, replicas
 from easy_context.modes import SeqParallelMode, get_mode, modes_with
 
 __all__ = [
@@ -295,6 +295,7 @@ def setup(mode: str | SeqParallelMode, model_or_type, **options) -> SequencePara
         architectures.check_model_type(model_type)
     context = SequenceParallel(mode, model_types, **options, heads=model_heads(model_or_type))
     context.topology()  # impossible combinations fail now
+    replicas.watch(model_or_type)  # a model (a PeftModel too): the guard finds its trainable weights
     if context.document_split:
         context.check_document_split()
     if not context.sequence_parallel:  # data_parallel: models keep their own attention

@@ -17,17 +17,25 @@ check also catches unseeded, different initial weights). That is one small colle
 every CHECK_EVERY forwards: 0.1-0.3% of a step (see benchmarks/bench_replica_check.py).
 Parameters sharded across ranks (ZeRO-3, DTensor) are skipped: each rank holds a
 different piece of them by design, and their owner keeps them consistent.
+
+Weights that never train cannot drift, so a frozen attention module would hide the drift
+of the weights that do train: LoRA adapters on the MLPs only, or on other layers. When none
+of the module's weights is trainable, the sample adds the trainable weights of the model
+that holds it, wherever they are, for models the patch was given (`watch`: setup with a
+model, prepare_trainer); a trainable attention module is enough on its own (without
+averaged gradients every trainable weight drifts).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
 from easy_context.core.collectives import all_gather
 
-__all__ = ["check_replicas", "check_replica_weights", "check_every", "ReplicaDriftError"]
+__all__ = ["check_replicas", "check_replica_weights", "check_every", "ReplicaDriftError", "watch", "weights_to_check"]
 
 # Checks every CHECK_EVERY-th forward; 0 turns the guard off. None: read
 # EASY_CONTEXT_REPLICA_CHECK_EVERY (default 16) at the first patched forward, so that a bad
@@ -35,6 +43,7 @@ __all__ = ["check_replicas", "check_replica_weights", "check_every", "ReplicaDri
 CHECK_EVERY: int | None = None
 SAMPLE = 4096  # values per parameter: weights that drift drift everywhere, a sample shows it
 _forwards = 0
+_watched: weakref.WeakSet = weakref.WeakSet()  # models the patch was given (their trainable weights)
 
 
 class ReplicaDriftError(RuntimeError):
@@ -79,19 +88,44 @@ def checksum(module_or_weights, device) -> torch.Tensor:
     return total
 
 
+def watch(model) -> None:
+    """Let the guard find `model`'s trainable weights (a PeftModel's adapters) from any of its
+    attention modules. Held weakly: a model that is deleted is forgotten."""
+    if isinstance(model, torch.nn.Module):
+        _watched.add(model)
+
+
+def weights_to_check(module: torch.nn.Module) -> list:
+    """The attention module's weights and, when none of them trains, the trainable weights
+    of the watched model that holds the module (in the model's parameter order, the same on
+    every rank)."""
+    weights = list(module.parameters())
+    if any(p.requires_grad for p in weights):
+        return weights
+    for model in list(_watched):
+        if any(m is module for m in model.modules()):
+            return weights + [p for p in model.parameters() if p.requires_grad]
+    return weights
+
+
 def check_replicas(module: torch.nn.Module, group, sp_rank: int, device) -> None:
     """Called once per patched forward on every rank of the SP group (`group` None: one rank)."""
-    check_replica_weights(list(module.parameters()), type(module).__name__, group, sp_rank, device)
+    _check(lambda: weights_to_check(module), type(module).__name__, group, sp_rank, device)
 
 
 def check_replica_weights(weights: list, name: str, group, sp_rank: int, device) -> None:
     """check_replicas for the weights of a module named `name` (the compiled path holds the
-    module's weights, not the module)."""
+    module's weights, not the module; under torch.compile the sample stays the module's)."""
+    _check(lambda: weights, name, group, sp_rank, device)
+
+
+def _check(weights, name: str, group, sp_rank: int, device) -> None:
+    """`weights`: a callable, called only when a check is due (it may walk the model)."""
     global _forwards
     _forwards += 1
     if not _due(_forwards) or group is None:
         return
-    local = checksum(weights, device)
+    local = checksum(weights(), device)
     sums = torch.cat(all_gather(local, group)).tolist()
     if len(set(sums)) > 1:
         raise ReplicaDriftError(

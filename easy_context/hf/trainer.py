@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from easy_context.core import collectives
 from easy_context.core.groups import get_groups
+from easy_context.hf import replicas
+from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
 from easy_context.hf.architectures import check_training_config
 from easy_context.hf.context import context_for, setup
 from easy_context.versions import check_supported
@@ -67,6 +69,7 @@ def prepare(context, trainer):
         raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
     if context.sequence_parallel:
         _check_supported(trainer)
+        check_accelerate_parallelism(trainer.accelerator, context.mode.name)
         if collectives.world_size() > 1 and trainer.accelerator.distributed_type.name == "NO":
             raise ValueError(
                 f"the trainer's accelerator runs each of the {collectives.world_size()} processes on its own "
@@ -75,6 +78,7 @@ def prepare(context, trainer):
             )
     options = {k: v for k, v in context.options.items() if v is not None}
     context = setup(context.mode, config, **options)  # the config: its text decoder's type
+    replicas.watch(trainer.model)
     if not context.sequence_parallel:  # data_parallel: the Trainer already is one
         return trainer
     topology = context.topology(trainer.accelerator.num_processes)

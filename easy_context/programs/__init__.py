@@ -6,6 +6,7 @@ models.py      load or build a model for a supported type
 loss.py        exact next-token loss over an SP group
 checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resume checks
 tiled_mlp.py   MLPs run in sequence tiles (activation memory)
+lora.py        LoRA adapters (peft, lazily): train.py --lora-r, adapter folders for the evals
 needle.py      needle / passkey prompts for any tokenizer
 evaluation.py  score whole sequences over an SP group (no grad, per-token results)
 plots.py       heatmaps and curves

@@ -175,9 +175,12 @@ def load_scorer(
     mode, and either a full copy on this rank's device or, under DeepSpeed (the inference
     config), a ZeRO-3 engine with sharded, offloaded weights and lockstep scoring."""
     from easy_context.hf import api
+    from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
     from easy_context.programs.models import check_config, load_pretrained
 
     rank, world = accelerator.process_index, accelerator.num_processes
+    if get_mode(mode).sequence_parallel:
+        check_accelerate_parallelism(accelerator, mode)
     model, tokenizer = load_pretrained(source, rope_theta, eval_dtype(dtype, accelerator.device))
     topology = get_mode(mode).topology(world, sp_size, ring_degree, placement_of(model, world))
     check_config(model.config, topology, max_length, mode)

@@ -32,6 +32,11 @@ def flag_errors(args) -> list[str]:
     errors = []
     if args.compile:
         errors.append("--fsdp with --compile is not supported (compiling FSDP2's hooks is untested); drop one of them")
+    if getattr(args, "lora_r", None) is not None:
+        errors.append(
+            "--fsdp with --lora-r is not supported yet (sharding a PeftModel's frozen base is untested); "
+            "drop --fsdp (LoRA's weights and optimizer state are small) or --lora-r"
+        )
     return errors
 
 

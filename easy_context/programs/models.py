@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from easy_context.hf.architectures import attn_implementation, check_model_type
@@ -36,14 +38,25 @@ def _set_rope_theta(config, rope_theta: float) -> None:
 
 def load_pretrained(source: str, rope_theta: float | None = None, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a hub name or a local folder, with SDPA attention where the
-    architecture has it (else eager: see architectures.attn_implementation)."""
+    architecture has it (else eager: see architectures.attn_implementation).
+
+    A folder holding a LoRA adapter (adapter_config.json, as train.py --lora-r saves) gives
+    the base model its config names, wrapped with the adapter (a PeftModel); its tokenizer
+    is the folder's when saved there, else the base's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = load_config(source, rope_theta)
+    from easy_context.programs.lora import adapter_base, load_adapter
+
+    base = adapter_base(source)
+    weights = source if base is None else base
+    config = load_config(weights, rope_theta)
     model = AutoModelForCausalLM.from_pretrained(
-        source, config=config, attn_implementation=attn_implementation(config), dtype=dtype
+        weights, config=config, attn_implementation=attn_implementation(config), dtype=dtype
     )
-    return model, AutoTokenizer.from_pretrained(source)
+    if base is None:
+        return model, AutoTokenizer.from_pretrained(source)
+    saved_tokenizer = (Path(source) / "tokenizer_config.json").is_file()
+    return load_adapter(model, source), AutoTokenizer.from_pretrained(source if saved_tokenizer else base)
 
 
 def check_config(config, topology, seq_length: int, mode: str) -> None:

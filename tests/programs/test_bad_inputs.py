@@ -37,6 +37,7 @@ FLAG_CASES = [  # (script, flags, message): refused by parse_args before anythin
     ("train.py", ["--balance-documents"], "--balance-documents needs --document-masking"),
     ("train.py", ["--fsdp-offload"], "--fsdp-offload needs --fsdp"),
     ("train.py", ["--fsdp", "--compile"], "--fsdp with --compile is not supported"),
+    ("train.py", ["--fsdp", "--lora-r", "8", "--model", "base"], "--fsdp with --lora-r is not supported yet"),
     (
         "train.py",
         ["--warmup-steps", "100", "--max-train-steps", "60"],

@@ -29,7 +29,8 @@ def test_import_needs_only_torch_and_transformers():
     import sys
 
     code = (
-        "import sys, easy_context; heavy = {'flash_attn', 'ring_flash_attn', 'yunchang', 'deepspeed', 'triton'};"
+        "import sys, easy_context; "
+        "heavy = {'flash_attn', 'ring_flash_attn', 'yunchang', 'deepspeed', 'triton', 'peft'};"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
     )
     assert (

@@ -16,7 +16,7 @@ PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def test_pyproject_declares_exactly_the_supported_ranges():
-    declared = re.findall(r'"((?:torch|transformers|accelerate|datasets)\b[^"]*)"', PYPROJECT.read_text())
+    declared = re.findall(r'"((?:torch|transformers|accelerate|datasets|peft)\b[^"]*)"', PYPROJECT.read_text())
     assert {re.match(r"[a-z]+", d).group(0) for d in declared} == set(SUPPORTED)
     for entry in declared:
         package = re.match(r"[a-z]+", entry).group(0)
