@@ -90,9 +90,15 @@ def test_an_adapter_folder_loads_as_its_base_with_the_adapter(tmp_path):
 
 
 def _accelerator(**sizes):
+    """An accelerator stand-in holding accelerate's own ParallelismConfig; a size this accelerate
+    does not have yet (sp_size arrived after cp_size) goes on an object with the same attributes."""
+    import inspect
+
     from accelerate.parallelism_config import ParallelismConfig
 
-    return types.SimpleNamespace(parallelism_config=ParallelismConfig(**sizes))
+    if set(sizes) <= set(inspect.signature(ParallelismConfig).parameters):
+        return types.SimpleNamespace(parallelism_config=ParallelismConfig(**sizes))
+    return types.SimpleNamespace(parallelism_config=types.SimpleNamespace(**{"cp_size": 1, **sizes}))
 
 
 @pytest.mark.parametrize(
