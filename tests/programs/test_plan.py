@@ -84,7 +84,9 @@ OPTION_STEPS = [
     lambda o, tile, chunk: dataclasses.replace(o, tiled_mlp=tile),
     lambda o, tile, chunk: dataclasses.replace(o, loss_chunk=chunk),
 ]
-ZERO_ORDER = ["none", "zero3", "zero3-opt-offload", "zero3-offload"]
+# each setting's next step in sharding / offload (at W > 1: FSDP2 needs two ranks)
+MORE_SHARDED = {"none": "zero3", "zero3": "zero3-opt-offload", "zero3-opt-offload": "zero3-offload"}
+MORE_SHARDED_MANY_RANKS = {**MORE_SHARDED, "fsdp2": "fsdp2-offload"}
 
 
 @pytest.mark.parametrize("name", ["llama-2-7b", "llama-3-8b", "tiny-bench"])
@@ -94,16 +96,16 @@ def test_monotonic(name):
     for gpus in (1, 2, 8):
         ok, _ = P.layouts(model, 65536, gpus)
         for layout in ok:
-            for o in P.candidate_options(model, 65536, layout, P.ZERO_CHOICES, tile, chunk):
+            for o in P.candidate_options(model, 65536, layout, P.ZERO_CHOICES, tile, chunk, gpus):
                 peak = P.estimate(model, 65536, gpus, o, device)["peak_bytes"]
                 for step in OPTION_STEPS:  # one more memory option never raises the peak
                     assert P.estimate(model, 65536, gpus, step(o, tile, chunk), device)["peak_bytes"] <= peak + 1, (
                         o,
                         step,
                     )
-                z = ZERO_ORDER.index(o.zero)
-                if z + 1 < len(ZERO_ORDER):
-                    more = dataclasses.replace(o, zero=ZERO_ORDER[z + 1])
+                more_sharded = (MORE_SHARDED_MANY_RANKS if gpus > 1 else MORE_SHARDED).get(o.zero)
+                if more_sharded:
+                    more = dataclasses.replace(o, zero=more_sharded)
                     assert P.estimate(model, 65536, gpus, more, device)["peak_bytes"] <= peak + 1, (o, more)
                 # a longer sequence never lowers it
                 assert P.estimate(model, 2 * 65536, gpus, o, device)["peak_bytes"] >= peak

@@ -2,7 +2,8 @@
 feasible mode x memory-option combination, and a recommendation (`python -m
 easy_context.programs.plan`, cli.py; docs/planner.md).
 
-catalogue: models, devices, options; memory: the peak-memory model; speed: the roofline;
+catalogue: models, devices, options; sharding: the DDP / ZeRO-3 / FSDP2 settings, one table;
+memory: the peak-memory model; speed: the roofline;
 planner: layouts, rows, the recommendation; cli: the table and the command line. What a
 mode costs (bytes sent, activation terms) the mode declares (easy_context/modes/costs.py).
 """
@@ -29,12 +30,14 @@ from easy_context.programs.plan.cli import (
     table_cells,
 )
 from easy_context.programs.plan.memory import (
+    IN_FLIGHT,
     activation_terms,
     attention_shape,
     attention_transient,
     default_chunk,
     default_tile,
     estimate,
+    in_flight,
     loss_bytes_per_token,
 )
 from easy_context.programs.plan.planner import (
@@ -48,20 +51,25 @@ from easy_context.programs.plan.planner import (
     row_of,
     smallest_fit,
 )
-from easy_context.programs.plan.speed import EFFICIENCY, throughput
+from easy_context.programs.plan.sharding import SHARDINGS, Sharding, StateTerm
+from easy_context.programs.plan.speed import EFFICIENCY, sharding_seconds, throughput
 
 __all__ = [
     "COLUMNS",
     "DEVICES",
     "EFFICIENCY",
     "GIB",
+    "IN_FLIGHT",
     "MIB",
     "PRESETS",
+    "SHARDINGS",
     "ZERO_CHOICES",
     "Device",
     "ModelShape",
     "Options",
     "PlanError",
+    "Sharding",
+    "StateTerm",
     "activation_terms",
     "attention_shape",
     "attention_transient",
@@ -73,6 +81,7 @@ __all__ = [
     "estimate",
     "flags_of",
     "get_device",
+    "in_flight",
     "layout_multiple",
     "layouts",
     "load_model",
@@ -83,6 +92,7 @@ __all__ = [
     "render",
     "row_of",
     "shape_from_config",
+    "sharding_seconds",
     "smallest_fit",
     "table_cells",
     "throughput",

@@ -1,10 +1,12 @@
 """What the planner plans for: model shapes (presets and HF configs), devices, and the
-options of one run (mode, split, memory options, ZeRO setting)."""
+options of one run (mode, split, memory options, ZeRO / FSDP setting: sharding.py)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+
+from easy_context.programs.plan.sharding import SHARDINGS, ZERO_CHOICES
 
 __all__ = [
     "DEVICES",
@@ -153,6 +155,7 @@ class Device:
     runtime_gib: float  # CUDA context, NCCL and cuBLAS workspaces (cpu: interpreter + torch + transformers)
     per_node: int = 8
     optimizer_params_per_s: float = 5e8  # CPU Adam (offloaded optimizer), per rank
+    memory_is_host: bool = False  # cpu: what is offloaded to host memory stays in the rank's memory
 
 
 def _cpu_memory_gib() -> float:
@@ -170,7 +173,9 @@ DEVICES = {
     "h200": Device("h200", 140.0, 989.0, 450.0, 50.0, 50.0, 2.0),
     # The CPU machine the validation runs on: one process per rank, fp32, gloo. Runtime =
     # RSS of a rank before the step minus its weights (docs/bench_train.csv: 392-397 MiB).
-    "cpu": Device("cpu", 0.0, 0.1, 5.0, 1.0, 1000.0, 395 / 1024, per_node=1 << 20, optimizer_params_per_s=2e8),
+    "cpu": Device(
+        "cpu", 0.0, 0.1, 5.0, 1.0, 1000.0, 395 / 1024, per_node=1 << 20, optimizer_params_per_s=2e8, memory_is_host=True
+    ),
 }
 DEVICES["h100"] = DEVICES["h100-80g"]
 DEVICES["a100"] = DEVICES["a100-80g"]
@@ -213,9 +218,6 @@ def get_device(
 
 
 # ---------------------------------------------------------------------------- options
-ZERO_CHOICES = ("none", "zero3", "zero3-opt-offload", "zero3-offload")
-
-
 @dataclass(frozen=True)
 class Options:
     mode: str
@@ -225,7 +227,11 @@ class Options:
     offload_checkpoints: bool = False
     tiled_mlp: int = 0  # tokens per MLP tile (0: off)
     loss_chunk: int = 0  # tokens per loss chunk (0: the whole local sequence at once)
-    zero: str = "none"
+    zero: str = "none"  # how the model states are kept: a name of sharding.SHARDINGS (DDP, ZeRO-3, FSDP2)
+
+    def __post_init__(self):
+        if self.zero not in SHARDINGS:
+            raise PlanError(f"unknown ZeRO / FSDP setting {self.zero!r}; choose from {list(SHARDINGS)}")
 
     @property
     def ulysses_degree(self) -> int:

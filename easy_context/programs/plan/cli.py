@@ -26,6 +26,7 @@ from easy_context.programs.plan.catalogue import (
     load_model,
 )
 from easy_context.programs.plan.planner import flags_of, plan
+from easy_context.programs.plan.sharding import SHARDINGS
 
 __all__ = ["COLUMNS", "main", "parse_args", "render", "table_cells"]
 
@@ -38,7 +39,7 @@ COLUMNS = [
     "offload ckpt",
     "tiled MLP",
     "loss chunk",
-    "ZeRO",
+    "ZeRO / FSDP",
     "peak GiB/rank",
     "fits",
     "tokens/s",
@@ -137,7 +138,12 @@ def parse_args(argv=None):
     p.add_argument("--sp-size", type=int, action="append", default=None, help="only these SP sizes (repeatable)")
     p.add_argument("--mode", action="append", default=None, help="only these modes (repeatable)")
     p.add_argument(
-        "--zero", action="append", default=None, choices=ZERO_CHOICES + ("noopt",), help="only these ZeRO settings"
+        "--zero",
+        action="append",
+        default=None,
+        choices=list(SHARDINGS),
+        help=f"only these model-state settings (repeatable; default: {', '.join(ZERO_CHOICES)}): none = DDP, "
+        "zero3* = DeepSpeed ZeRO-3, fsdp2* = train.py --fsdp (docs/planner.md)",
     )
     p.add_argument(
         "--tiled-mlp", type=int, default=None, help="MLP tile to consider (default: ~hidden_size tokens, >= 1024)"

@@ -7,14 +7,17 @@ from __future__ import annotations
 from easy_context.modes import get_mode
 from easy_context.modes.costs import AttentionShape
 from easy_context.programs.plan.catalogue import GIB, Device, ModelShape, Options
+from easy_context.programs.plan.sharding import SHARDINGS, Sharding
 
 __all__ = [
+    "IN_FLIGHT",
     "activation_terms",
     "attention_shape",
     "attention_transient",
     "default_chunk",
     "default_tile",
     "estimate",
+    "in_flight",
     "loss_bytes_per_token",
 ]
 
@@ -67,6 +70,59 @@ def loss_bytes_per_token(model: ModelShape, a: int) -> int:
     return model.vocab * (12 + (a if a < 4 else 0))
 
 
+def in_flight(setting: Sharding, model: ModelShape, world: int, a: int) -> dict[str, dict[str, float]]:
+    """Bytes besides the states that the setting keeps live, by phase: "loss", "layer" (a
+    layer's backward), "end" (the end of the backward; empty where nothing peaks there)."""
+    return IN_FLIGHT[setting.gathers](setting, model, world, a)
+
+
+def _replicated_in_flight(setting: Sharding, model: ModelShape, world: int, a: int) -> dict:
+    return {"loss": {}, "layer": {}, "end": {}}  # every weight and gradient is a state already
+
+
+def _zero3_in_flight(setting: Sharding, model: ModelShape, world: int, a: int) -> dict:
+    """Two layers' parameters gathered (the one running and the prefetched one) and two
+    layers' gradients in reduce buckets; in the loss, the output layer's weight and its
+    gradient bucket. One rank gathers nothing unless its parameters are on the host, and its
+    gradients go through buckets only to reach a host optimizer."""
+    gather = 0 if world == 1 and not setting.weights_on_host() else 1
+    buckets = 1 if gather or setting.optimizer_on_host() else 0
+    label = "gathered params / grad buckets"
+    return {
+        "loss": {label: (gather + buckets) * a * model.embedding_params},
+        "layer": {label: (gather + buckets) * 2 * a * model.layer_params},
+        "end": {},
+    }
+
+
+def _fsdp2_in_flight(setting: Sharding, model: ModelShape, world: int, a: int) -> dict:
+    """train.py's FSDP2 units: gathered copies in the compute dtype (a: the mixed-precision
+    policy's bf16, or the fp32 weights), gradients reduce-scattered in the setting's reduce
+    dtype. The root (embeddings, final norm, output layer) is not resharded after the forward
+    and its gradients are reduced once, after every layer's backward: it stays whole from the
+    forward to the end of the step, its output layer's gradient from the loss on."""
+    rb = 4 if setting.reduce_dtype == "fp32" else a
+    root = model.embedding_params * (1 if model.tied else 2) + model.hidden
+    root_label = "root unit gathered (embeddings, final norm, output layer)"
+    kept = {root_label: a * root, "output-layer gradient (unsharded)": a * model.embedding_params}
+    return {
+        "loss": kept,
+        "layer": {
+            **kept,
+            "gathered layers (running + prefetched)": 2 * a * model.layer_params,
+            "layer gradients + reduce-scatter input": (a + rb) * model.layer_params,
+        },
+        "end": {
+            root_label: a * root,
+            "root gradients (unsharded)": a * root,
+            "root reduce-scatter (input + output shard)": rb * root * (1 + 1 / world),
+        },
+    }
+
+
+IN_FLIGHT = {"replicated": _replicated_in_flight, "zero3": _zero3_in_flight, "fsdp2": _fsdp2_in_flight}
+
+
 def estimate(
     model: ModelShape,
     seq: int,
@@ -78,9 +134,10 @@ def estimate(
 ) -> dict:
     """Per-rank peak memory (bytes) of one training step, with its terms, for options `o`."""
     a = 4 if dtype == "fp32" else 2
+    setting = SHARDINGS[o.zero]
     # the residual stream (layer inputs kept by checkpointing, hidden-state gradients): fp32
     # where the weights are fp32 (DDP rows: bf16 autocast leaves it fp32), else the dtype
-    hb = 4 if o.zero in ("none", "noopt") else a
+    hb = 4 if setting.residual_fp32 else a
     s = seq // o.sp
     L, h = model.layers, model.hidden
     N, W = model.params, gpus
@@ -90,32 +147,15 @@ def estimate(
     chunk = min(o.loss_chunk, s) if o.loss_chunk else s
     layer_p = model.layer_params
 
-    # --- model states (weights, gradients, optimizer) per rank
-    states = {}
-    if o.zero in ("none", "noopt"):
-        wb = 4  # fp32 weights (autocast for bf16), fp32 gradients
-        states["weights"] = wb * N
-        if o.zero == "none":
-            states["gradients"] = 4 * N
-            states["optimizer (Adam m, v)"] = 8 * N
-        elif persistent_grads:
-            states["gradients"] = 4 * N
-        grad_lm = 0 if "gradients" in states else wb * model.embedding_params
-        grad_layer = 0 if "gradients" in states else wb * layer_p
-        gathered_lm = gathered_layers = 0
-    else:
-        gather = 0 if (W == 1 and o.zero != "zero3-offload") else 1  # a full copy needs no gathering
-        buckets = 1 if (gather or o.zero != "zero3") else 0  # gradients leave through buckets
-        if o.zero == "zero3":
-            states["params (bf16 shard)"] = 2 * N / W
-            states["gradients (bf16 shard)"] = 2 * N / W
-            states["optimizer (fp32 master, m, v shard)"] = 12 * N / W
-        elif o.zero == "zero3-opt-offload":
-            states["params (bf16 shard)"] = 2 * N / W
-        # gathered parameters and gradient buckets in flight (stage-3 prefetch + reduce)
-        gathered_layers = gather * 2 * (2 * layer_p) + buckets * 2 * (2 * layer_p)  # 2 layers, bf16
-        gathered_lm = (gather + buckets) * 2 * model.embedding_params
-        grad_lm = grad_layer = 0
+    # --- model states (weights, gradients, optimizer) per rank, and what is in flight besides.
+    # One-step runs that free the gradients after each step (the validation's): they appear
+    # during the backward instead.
+    grads_freed = not persistent_grads and not setting.sharded
+    kinds = ("weights", "optimizer") if grads_freed else ("weights", "gradients", "optimizer")
+    states = {label: b * N for label, b in setting.state_bytes(a, W, device.memory_is_host, kinds).items()}
+    grad_lm = 4 * model.embedding_params if grads_freed else 0
+    grad_layer = 4 * layer_p if grads_freed else 0
+    flight = in_flight(setting, model, W, a)
     persistent = device.runtime_gib * GIB + sum(states.values())
 
     # --- per token, whole step (per local token)
@@ -137,7 +177,7 @@ def estimate(
     phases["loss"] = {
         "runtime": device.runtime_gib * GIB,
         **states,
-        "gathered params / grad buckets": gathered_lm,
+        **flight["loss"],
         "output-layer gradient": grad_lm,
         "saved activations (all layers)": saved_layers * s,
         "attention outputs kept for the recompute (dist_flash)": remat * s,
@@ -156,7 +196,7 @@ def estimate(
     common = {
         "runtime": device.runtime_gib * GIB,
         **states,
-        "gathered params / grad buckets": gathered_layers,
+        **flight["layer"],
         "output-layer + layer gradients": grad_lm + grad_layer,
         "saved activations (all layers)": saved_layers * s,
         "attention outputs kept for the recompute (dist_flash)": remat * s,
@@ -172,11 +212,12 @@ def estimate(
         attn_part["saved activations (all layers)"] -= (act["mlp_in"] + (0 if tiled else act["mlp"])) * s
     attn_part["attention transient (mode)"] = attn_t * s
     phases["layer backward: attention"] = attn_part
-    if not persistent_grads or o.zero == "noopt":
+    if grads_freed or flight["end"]:
         phases["end of backward"] = {
             "runtime": device.runtime_gib * GIB,
             **states,
-            "all gradients": 4 * N,
+            **flight["end"],
+            "all gradients": 4 * N if grads_freed else 0,
             "hidden grads + RoPE + ids": (2 * hidden_grad + rope + ids) * s,
         }
     totals = {k: sum(v.values()) for k, v in phases.items()}

@@ -15,6 +15,7 @@ from easy_context.programs.plan.catalogue import (
     PlanError,
 )
 from easy_context.programs.plan.memory import default_chunk, default_tile, estimate
+from easy_context.programs.plan.sharding import SHARDINGS
 from easy_context.programs.plan.speed import throughput
 
 __all__ = [
@@ -72,9 +73,12 @@ def layouts(model: ModelShape, seq: int, gpus: int, sp_sizes=None, modes=None):
     return ok, refused
 
 
-def candidate_options(model: ModelShape, seq: int, layout, zero_choices, tile: int, chunk: int):
+def candidate_options(model: ModelShape, seq: int, layout, zero_choices, tile: int, chunk: int, gpus: int):
+    """Every memory option on a layout of a `gpus`-rank job; settings that need more ranks
+    (FSDP2: two) are left out."""
     mode, sp, ring = layout
     local = seq // sp  # a tile or chunk at least this long changes nothing: not a separate row
+    zero_choices = [z for z in zero_choices if SHARDINGS[z].min_world <= gpus]
     for ckpt, off in ((False, False), (True, False), (True, True)):
         for t in (0, tile) if tile < local else (0,):
             for c in (0, chunk) if chunk < local else (0,):
@@ -123,25 +127,20 @@ def flags_of(row: dict, seq: int) -> str:
         parts.append(f"--tiled-mlp {row['tiled_mlp']}")
     # no chunking: one chunk as long as the rank's shard of the sequence
     parts.append(f"--seq-length {seq} --loss-chunk-size {row['loss_chunk_size'] or seq // row['sp_size']}")
-    config = {
-        "none": "no DeepSpeed (DDP)",
-        "zero3": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_optimizer and offload_param",
-        "zero3-opt-offload": "ZeRO-3: accelerate_configs/zero3_offload.json without offload_param",
-        "zero3-offload": "ZeRO-3: accelerate_configs/single_node.yaml (zero3_offload.json as shipped)",
-        "noopt": "no optimizer",
-    }[row["zero"]]
-    return " ".join(parts) + f"   [{config}]"
+    setting = SHARDINGS[row["zero"]]
+    if setting.train_flags:
+        parts.append(setting.train_flags)
+    return " ".join(parts) + f"   [{setting.launch}]"
 
 
 def complexity(row: dict) -> int:
-    """How many memory options a row turns on (ZeRO levels count one each)."""
-    zero = ZERO_CHOICES.index(row["zero"]) if row["zero"] in ZERO_CHOICES else 0
+    """How many memory options a row turns on (sharding and each offload count one each)."""
     return (
         row["activation_checkpointing"]
         + row["offload_checkpoints"]
         + bool(row["tiled_mlp"])
         + bool(row["loss_chunk_size"])
-        + zero
+        + SHARDINGS[row["zero"]].options
     )
 
 
@@ -166,6 +165,11 @@ def plan(
         raise PlanError(f"--margin must be in [0, 1), got {margin}")
     dtype = dtype or ("fp32" if device.name == "cpu" else "bf16")
     zero_choices = tuple(zero_choices or ZERO_CHOICES)
+    if all(SHARDINGS[z].min_world > gpus for z in zero_choices):
+        need = min(SHARDINGS[z].min_world for z in zero_choices)
+        raise PlanError(
+            f"--zero {' / '.join(zero_choices)} needs at least {need} GPUs (it shards over them), got {gpus}"
+        )
     tile = tile or default_tile(model)
     chunk = chunk or default_chunk(model)
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
@@ -188,7 +192,7 @@ def plan(
     rows = [
         row_of(model, seq, gpus, o, device, dtype, margin)
         for layout in ok
-        for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)
+        for o in candidate_options(model, seq, layout, zero_choices, tile, chunk, gpus)
     ]
     rows.sort(
         key=lambda r: (not r["fits"], -r["tokens_per_s"] if r["fits"] else r["peak_gib"], complexity(r), r["peak_gib"])
@@ -233,7 +237,7 @@ def smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes,
             row_of(model, seq, g, o, device, dtype, margin)
             for layout in ok
             if layout[1] == g
-            for o in candidate_options(model, seq, layout, zero_choices, tile, chunk)
+            for o in candidate_options(model, seq, layout, zero_choices, tile, chunk, g)
         ]
         if any(r["fits"] for r in fits):
             more = g

@@ -6,10 +6,38 @@ from __future__ import annotations
 from easy_context.modes import get_mode
 from easy_context.programs.plan.catalogue import Device, ModelShape, Options
 from easy_context.programs.plan.memory import attention_shape
+from easy_context.programs.plan.sharding import SHARDINGS
 
-__all__ = ["EFFICIENCY", "throughput"]
+__all__ = ["EFFICIENCY", "sharding_seconds", "throughput"]
 
 EFFICIENCY = 0.5  # achieved fraction of the device's peak on the FLOPs actually executed
+
+
+def sharding_seconds(model: ModelShape, gpus: int, o: Options, device: Device, a: int, link_bytes_per_s: float):
+    """(seconds of the weight gathers and gradient reduce-scatters, overlapped with compute;
+    seconds of a host optimizer, not overlapped) for o's ZeRO / FSDP setting.
+
+    Sharded weights are all-gathered (in the compute dtype) for the forward and the backward,
+    and again for a checkpointed layer's recompute where the setting's hooks fire there
+    (ZeRO-3); gradients are reduce-scattered once; a ring moves (W - 1) / W of each over
+    every rank's link. Weights on the host cross PCIe each gather. A host optimizer steps
+    N / W parameters, after the gradients came down (and the weights went back up where they
+    live on the device)."""
+    setting, N, W = SHARDINGS[o.zero], model.params, gpus
+    if not setting.sharded:
+        return 0.0, 0.0
+    gathers = 3 if o.checkpointing and setting.regathers_on_recompute else 2
+    reduce_bytes = 4 if setting.reduce_dtype == "fp32" else a
+    t_sharding = (gathers * a + reduce_bytes) * N * (W - 1) / W / link_bytes_per_s
+    pcie = device.pcie_gbs * 1e9
+    host_weights = [t.bytes_per_param(a) for t in setting.states if t.kind == "weights" and t.host]
+    if host_weights:
+        t_sharding = max(t_sharding, gathers * host_weights[0] * N / W / pcie)
+    t_optim = 0.0
+    if setting.optimizer_on_host():
+        copies = reduce_bytes + (0 if host_weights else a)  # gradients down, (weights up)
+        t_optim = N / W / device.optimizer_params_per_s + copies * N / W / pcie
+    return t_sharding, t_optim
 
 
 def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Device, dtype: str = "bf16") -> dict:
@@ -43,7 +71,6 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
         span = group * stride
         return (device.link_gbs if span <= node and node % span == 0 else device.network_gbs) * 1e9
 
-    passes = 3 if o.checkpointing else 2  # forward, (recompute,) backward
     traffic = mode.traffic(attention_shape(model, o, a, seq))
     forwards = 2 if o.checkpointing and not mode.keeps_attention_output else 1
     t_ring = t_a2a = 0.0
@@ -53,17 +80,11 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
     all_to_all_bytes = traffic.all_to_all_forward * forwards + traffic.all_to_all_backward
     if all_to_all_bytes:
         t_a2a = L * all_to_all_bytes / bw(o.ulysses_degree)
-    t_zero = t_offload = t_optim = 0.0
-    N = model.params
-    if o.zero in ("zero3", "zero3-opt-offload", "zero3-offload") and gpus > 1:
-        t_zero = passes * 2 * N * (gpus - 1) / gpus / bw(gpus)
-    if o.zero == "zero3-offload":
-        t_zero = max(t_zero, passes * 2 * N / gpus / (device.pcie_gbs * 1e9))
-    if o.zero in ("zero3-opt-offload", "zero3-offload"):
-        t_optim = N / gpus / device.optimizer_params_per_s + 2 * 2 * N / gpus / (device.pcie_gbs * 1e9)
+    t_zero, t_optim = sharding_seconds(model, gpus, o, device, a, bw(gpus))
+    t_offload = 0.0
     if o.checkpointing and o.offload_checkpoints:  # on the compute stream (transformers): not overlapped
         t_offload = 2 * L * a * h * s / (device.pcie_gbs * 1e9)
-    bound = {"compute": t_compute, "ring P2P": t_ring, "ZeRO-3 gathers": t_zero}
+    bound = {"compute": t_compute, "ring P2P": t_ring, "ZeRO-3 / FSDP2 gathers": t_zero}
     overlapped = max(bound.values())
     step = overlapped + t_a2a + t_offload + t_optim
     dp = gpus // o.sp
