@@ -14,9 +14,10 @@ def options(setting: str, sp: int = 8, checkpointing: bool = True) -> P.Options:
 
 
 def states(setting: str, gpus: int = 8, dtype: str = "bf16", device=H100, model=LLAMA) -> float:
-    """Per-rank bytes of the model states (the persistent part less the runtime)."""
-    result = P.estimate(model, 65536, gpus, options(setting, sp=gpus), device, dtype)
-    return result["persistent"] - device.runtime_gib * P.GIB
+    """Per-rank bytes of the model states at the end of a backward: those kept between steps
+    and the gradients rebuilt in each backward."""
+    kept, rebuilt = P.SHARDINGS[setting].state_bytes(2 if dtype == "bf16" else 4, gpus, device.memory_is_host)
+    return (sum(kept.values()) + sum(rebuilt.values())) * model.params
 
 
 def test_the_table_names_every_setting_once_and_the_planner_offers_the_planned_ones():
@@ -45,6 +46,17 @@ def test_fsdp2_states_are_zero3s_shard_arithmetic(gpus):
 def test_ddp_holds_every_state_and_a_second_gradient_copy_in_its_buckets():
     assert states("none", 8) == pytest.approx(20 * LLAMA.params)  # weights, grads, buckets, Adam m, v
     assert states("none", 1, model=P.PRESETS["tiny-bench"]) == pytest.approx(16 * P.PRESETS["tiny-bench"].params)
+
+
+def test_torch_optimizers_gradients_are_rebuilt_in_each_backward_deepspeeds_are_kept():
+    """zero_grad(set_to_none=True) frees DDP's and FSDP2's gradients between steps: they count
+    at the end of the backward, not in the loss; DeepSpeed's flat partitions stay."""
+    n, w = LLAMA.params, 8
+    for setting, kept_between_steps in (("none", 16 * n), ("fsdp2", 12 * n / w), ("zero3", 16 * n / w)):
+        result = P.estimate(LLAMA, 65536, w, options(setting), H100)
+        assert result["persistent"] - H100.runtime_gib * P.GIB == pytest.approx(kept_between_steps), setting
+    fsdp2 = P.estimate(LLAMA, 65536, w, options("fsdp2"), H100)
+    assert fsdp2["phases"]["end of backward"] - fsdp2["persistent"] >= 4 * n / w  # the gradient shards are back
 
 
 @pytest.mark.parametrize("gpus", [2, 8])

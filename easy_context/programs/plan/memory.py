@@ -148,13 +148,16 @@ def estimate(
     layer_p = model.layer_params
 
     # --- model states (weights, gradients, optimizer) per rank, and what is in flight besides.
-    # One-step runs that free the gradients after each step (the validation's): they appear
-    # during the backward instead.
-    grads_freed = not persistent_grads and not setting.sharded
-    kinds = ("weights", "optimizer") if grads_freed else ("weights", "gradients", "optimizer")
-    states = {label: b * N for label, b in setting.state_bytes(a, W, device.memory_is_host, kinds).items()}
-    grad_lm = 4 * model.embedding_params if grads_freed else 0
-    grad_layer = 4 * layer_p if grads_freed else 0
+    # Gradients that zero_grad frees between steps (torch optimizers; all of them in the
+    # validation's one-step runs) are rebuilt in the backward: an unsharded setting's output
+    # layer's from the loss on, a layer's in its backward, all at the end; a sharded setting's
+    # shards as each unit reduces, all at the end.
+    kept, rebuilt = setting.state_bytes(a, W, device.memory_is_host, persistent_grads)
+    states = {label: b * N for label, b in kept.items()}
+    rebuilt_grads = sum(rebuilt.values()) * N
+    rebuilt_per_param = 0 if setting.sharded else sum(rebuilt.values())
+    grad_lm = rebuilt_per_param * model.embedding_params
+    grad_layer = rebuilt_per_param * layer_p
     flight = in_flight(setting, model, W, a)
     persistent = device.runtime_gib * GIB + sum(states.values())
 
@@ -212,12 +215,12 @@ def estimate(
         attn_part["saved activations (all layers)"] -= (act["mlp_in"] + (0 if tiled else act["mlp"])) * s
     attn_part["attention transient (mode)"] = attn_t * s
     phases["layer backward: attention"] = attn_part
-    if grads_freed or flight["end"]:
+    if rebuilt_grads or flight["end"]:
         phases["end of backward"] = {
             "runtime": device.runtime_gib * GIB,
             **states,
             **flight["end"],
-            "all gradients": 4 * N if grads_freed else 0,
+            "all gradients": rebuilt_grads,
             "hidden grads + RoPE + ids": (2 * hidden_grad + rope + ids) * s,
         }
     totals = {k: sum(v.values()) for k, v in phases.items()}

@@ -20,6 +20,10 @@ class StateTerm:
     copies: int = 1  # Adam: m and v
     host: bool = False  # offloaded: in host memory
     distributed_only: bool = False  # held only with more than one rank (DDP's buckets)
+    # kept from one step to the next; False: a torch optimizer's gradients, which
+    # zero_grad(set_to_none=True) frees and the next backward rebuilds (DeepSpeed's partitions
+    # are flat buffers allocated once)
+    between_steps: bool = True
 
     def bytes_per_param(self, a: int) -> int:
         """Bytes per parameter when activations (and the training dtype) take `a` bytes."""
@@ -48,17 +52,19 @@ class Sharding:
     options: int = 0  # how many memory options it counts as (planner.complexity)
     planned: bool = True  # offered by the planner (False: the validation's own setting)
 
-    def state_bytes(
-        self, a: int, world: int, host_counts: bool, kinds=("weights", "gradients", "optimizer")
-    ) -> dict[str, float]:
-        """Per-rank bytes per parameter of each state of these kinds; host-memory terms only
-        where `host_counts` (a device whose memory is the host's: cpu)."""
+    def state_bytes(self, a: int, world: int, host_counts: bool, persistent_grads: bool = True):
+        """({label: per-rank bytes per parameter} of the states kept between steps, the same of the
+        gradients rebuilt in each backward); host-memory terms only where `host_counts` (a
+        device whose memory is the host's: cpu). persistent_grads=False: an unsharded
+        setting's gradients are all rebuilt (the validation's one-step runs)."""
         share = world if self.sharded else 1
-        return {
-            t.label: t.bytes_per_param(a) / share
-            for t in self.states
-            if t.kind in kinds and (host_counts or not t.host) and (world > 1 or not t.distributed_only)
-        }
+        kept, rebuilt = {}, {}
+        for t in self.states:
+            if (t.host and not host_counts) or (t.distributed_only and world == 1):
+                continue
+            freed = t.kind == "gradients" and (not t.between_steps or not (persistent_grads or self.sharded))
+            (rebuilt if freed else kept)[t.label] = t.bytes_per_param(a) / share
+        return kept, rebuilt
 
     def weights_on_host(self) -> bool:
         return any(t.kind == "weights" and t.host for t in self.states)
@@ -92,7 +98,7 @@ def _fsdp2_states(offload: bool) -> tuple[StateTerm, ...]:
     where = ", host" if offload else ""
     return (
         StateTerm(f"params (fp32 shard{where})", "weights", "fp32", host=offload),
-        StateTerm(f"gradients (fp32 shard{where})", "gradients", "fp32", host=offload),
+        StateTerm(f"gradients (fp32 shard{where})", "gradients", "fp32", host=offload, between_steps=False),
         StateTerm(f"optimizer (Adam m, v, shard{where})", "optimizer", "fp32", copies=2, host=offload),
     )
 
@@ -110,7 +116,7 @@ SHARDINGS = {
             "",
             (
                 StateTerm("weights (fp32)", "weights", "fp32"),
-                StateTerm("gradients (fp32)", "gradients", "fp32"),
+                StateTerm("gradients (fp32)", "gradients", "fp32", between_steps=False),
                 # DDP's all-reduce buckets: a second copy of the gradients unless
                 # gradient_as_bucket_view (accelerate's default: off)
                 StateTerm("DDP gradient buckets (fp32)", "gradients", "fp32", distributed_only=True),
