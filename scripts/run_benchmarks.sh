@@ -3,7 +3,7 @@
 # the other (they time 2 cores: never run two at once).
 #
 #   bash scripts/run_benchmarks.sh --list          # names, expected minutes on 2 cores, commands
-#   bash scripts/run_benchmarks.sh                 # all of them (about 2 hours on 2 cores)
+#   bash scripts/run_benchmarks.sh                 # all of them (about 3.5 hours on 2 cores)
 #   bash scripts/run_benchmarks.sh attention peers # only these
 #   bash scripts/run_benchmarks.sh --quick         # every script at smoke size (a few minutes)
 #
@@ -23,6 +23,7 @@ BENCHMARKS=(
   "masks_balance|1|python -m benchmarks.mask_balance --seeds 10"
   "masks|10|python -m benchmarks.bench_attention --seq-len 16384 --world-sizes 2 --modes baseline,zigzag_ring_attn,dist_flash_attn,ulysses_attn --masks causal,packed-1k,long-tail,window-1k --iters 3 --wait-idle 60 --retry-busy 1 --csv docs/bench_attention_masks.csv"
   "train|35|python -m benchmarks.bench_train --seq-lengths 4096,8192,16384 --exact-memory --verify-length 65536 --csv docs/bench_train.csv"
+  "sharding|90|python -m benchmarks.bench_sharding --seq-lengths 16384,32768 --exact-memory --csv docs/bench_sharding.csv"
   "features|5|python -m benchmarks.bench_features"
   "features_memory|6|python -m benchmarks.bench_features --exact-memory"
   "generate|7|python -m benchmarks.bench_generate --csv docs/bench_generate.csv"
@@ -34,6 +35,7 @@ QUICK=(
   "attention|1|python -m benchmarks.bench_attention --smoke"
   "masks|1|python -m benchmarks.bench_attention --smoke-masks"
   "train|2|python -m benchmarks.bench_train --smoke"
+  "sharding|2|python -m benchmarks.bench_sharding --smoke"
   "generate|2|python -m benchmarks.bench_generate --smoke"
   "kernels|1|python -m benchmarks.bench_kernels --device cpu --seq-len 512,1024 --heads 8 --kv-heads 2 --head-dim 64 --iters 2"
   "planner|1|python -m tools.validate_plan"

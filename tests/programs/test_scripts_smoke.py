@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end at a tiny size and print well-formed tables."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,33 @@ def test_bench_train_smoke(tmp_path):
     assert all(float(r[2]) > 0 for r in fit_rows)  # the fixed part: at least the model and runtime
     assert len(csv_path.read_text().splitlines()) == 7
     assert len((tmp_path / "train_fit.csv").read_text().splitlines()) == 4
+
+
+@pytest.mark.timeout(300)
+def test_bench_sharding_smoke(tmp_path):
+    """train.py's per-rank peak under DDP, FSDP2 (and DeepSpeed ZeRO-3 where installed) at a tiny
+    size: every row measured, next to the planner's prediction for it."""
+    import importlib.util
+
+    configs = ["ddp", "fsdp2", "fsdp2-offload"]
+    if os.environ.get("EASY_CONTEXT_REQUIRE_DEEPSPEED") == "1" or importlib.util.find_spec("deepspeed"):
+        configs += ["zero3", "zero3-offload"]
+    csv_path = tmp_path / "sharding.csv"
+    command = [sys.executable, "-m", "benchmarks.bench_sharding", "--smoke", "--exact-memory"]
+    out = subprocess.run(
+        [*command, "--configs", ",".join(configs), "--csv", str(csv_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    header, *rows = table_rows(out.stdout)
+    assert header[:6] == ["config", "S", "step s", "peak MiB/rank (max)", "predicted MiB/rank", "measured / predicted"]
+    assert [r[0] for r in rows] == configs and {r[1] for r in rows} == {"512"}
+    for row in rows:  # measured and predicted: at least the runtime; their ratio near 1 at this size
+        assert float(row[2]) > 0 and float(row[3]) > 100 and float(row[4]) > 100 and 0.5 < float(row[5]) < 2, row
+    assert len(csv_path.read_text().splitlines()) == len(configs) + 1
 
 
 @pytest.mark.timeout(300)
