@@ -20,6 +20,14 @@ def _torchrun(script: Path, port_dir) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=port_dir)
 
 
+def _why(stderr: str) -> str:
+    """The workers' own last words (an abort's C++ message, a traceback's last line), which
+    torchrun's failure summary at the end of stderr leaves out, then that summary."""
+    markers = ("terminate called", "what():", "Fatal Python error", "Error:", "Aborted", "Exception")
+    lines = [line for line in stderr.splitlines() if any(marker in line for marker in markers)]
+    return "\n".join(lines[-20:]) + "\n...\n" + stderr[-1500:]
+
+
 @pytest.mark.timeout(RUNS * 2 * 60)
 @pytest.mark.parametrize("script", ["plain_trainer.py", "plain_loop.py"])
 def test_user_scripts_exit_0_every_time(script, tmp_path):
@@ -27,5 +35,5 @@ def test_user_scripts_exit_0_every_time(script, tmp_path):
     for run in range(RUNS):
         result = _torchrun(SCRIPTS / script, tmp_path)
         if result.returncode != 0:
-            failures.append(f"run {run}: exit {result.returncode}\n{result.stderr[-2000:]}")
+            failures.append(f"run {run}: exit {result.returncode}\n{_why(result.stderr)}")
     assert not failures, f"{len(failures)} of {RUNS} runs of {script} failed:\n" + "\n".join(failures)
