@@ -18,8 +18,6 @@ from trainer_runs import train
 from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, remove_seq_parallel_monkey_patch
 from easy_context.hf import replicas
 
-pytest.importorskip("peft", reason="the lora extra (peft) is not installed")
-
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-6
 RANK = 4
 SEQ = 64

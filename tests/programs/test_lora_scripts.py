@@ -16,8 +16,6 @@ from tiny_models import tiny_model
 
 from easy_context.programs.data import BYTE_EOS_ID, byte_tokenizer
 
-pytest.importorskip("peft", reason="the lora extra (peft) is not installed")
-
 LORA = ["--lora-r", "4", "--max-train-steps", "3", "--learning-rate", "1e-2"]
 MODES = {
     "zigzag": ["--parallel_mode", "zigzag_ring_attn", "--activation-checkpointing"],  # LoRA's usual companion

@@ -12,10 +12,7 @@ from tiny_models import tiny_batch, tiny_model
 import easy_context as ec
 from easy_context.hf import replicas
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
-
-pytest.importorskip("peft", reason="the lora extra (peft) is not installed")
-
-from easy_context.programs.lora import adapter_base, add_lora, attention_projections  # noqa: E402
+from easy_context.programs.lora import adapter_base, add_lora, attention_projections
 
 
 def test_default_targets_are_the_attention_projections_and_alpha_is_twice_r():
