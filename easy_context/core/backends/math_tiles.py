@@ -3,6 +3,8 @@ reference and the fallback, computed in tiles of query rows."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from easy_context.core.backends.masks import INF, accumulation_dtype, backward_lse
@@ -23,7 +25,7 @@ __all__ = [
 # It is also the smallest tile on CUDA.
 MATH_TILE_LOGITS = 1 << 21
 # On CUDA the tile is sized from the memory free when the call starts: a tile's temporaries
-# (logits/probabilities, logsumexp's shifted copy, the backward's dlogits, a softcap's slope)
+# (logits, turned into weights in place; the backward's dlogits, a softcap's slope)
 # are at most MATH_TILE_TEMPORARIES tile-sized tensors, and they may take MATH_CUDA_FREE_FRACTION
 # of the free memory: the rest is headroom for the caller (a ring's prefetched K/V, the
 # allocator's rounding). At most MATH_CUDA_MAX_TILE_LOGITS: past it the matmuls are saturated
@@ -31,6 +33,23 @@ MATH_TILE_LOGITS = 1 << 21
 MATH_TILE_TEMPORARIES = 4
 MATH_CUDA_FREE_FRACTION = 0.5
 MATH_CUDA_MAX_TILE_LOGITS = 1 << 30
+
+
+# exp and tanh from exp2 and sigmoid, in place. Why: on CPU, torch's fp32 exp and tanh go through
+# MKL's vector math, which was measured (torch 2.13, 2 busy cores) to return results off by up to
+# 1.5e-4 relative on the first call after a matmul, one call in ten; exp2 and sigmoid have torch's
+# own vectorized kernels and never varied (0 in 40). This backend is the reference, so it keeps
+# to ops whose precision does not vary. tanh(y) = 2 sigmoid(2y) - 1 loses at most an ulp of 1,
+# times the cap: no more than the capped logit's own rounding.
+_LOG2E = 1 / math.log(2)
+
+
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    return x.mul_(_LOG2E).exp2_()
+
+
+def _tanh_(x: torch.Tensor) -> torch.Tensor:
+    return x.mul_(2).sigmoid_().mul_(2).sub_(1)
 
 
 def tile_logits(device: torch.device, dtype: torch.dtype) -> int:
@@ -63,7 +82,7 @@ def _math_logits(q, k_acc, causal, scale, mask, softcap, rows: slice, keys: slic
     logits = torch.matmul(q_tile, k_acc[:, :, keys].transpose(-1, -2)).mul_(scale)
     slope = None
     if softcap:
-        capped = logits.div_(softcap).tanh_()
+        capped = _tanh_(logits.div_(softcap))
         slope = 1 - capped * capped if grad else None
         logits = capped.mul_(softcap)
     by_row = logits.view(b, n_kv, h // n_kv, -1, logits.shape[-1])  # (B, Hkv, G, rows, keys)
@@ -89,11 +108,15 @@ def math_forward(q, k, v, causal, scale, mask=None, softcap=None):
     outs, lses = [], []
     for rows, keys in _tiles(q, k, causal):
         _, logits, _ = _math_logits(q, k_acc, causal, scale, mask, softcap, rows, keys)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        # A row with no allowed key has lse -inf: subtract 0 there, so its probabilities are 0, not NaN.
-        shift = lse if mask is None else lse.masked_fill(lse == -INF, 0)
-        probs = logits.sub_(shift).exp_()
-        out = torch.matmul(probs, v_acc[:, :, keys])
+        # max + log(sum(exp(x - max))), with the exp above (not torch.logsumexp, which uses exp).
+        row_max = logits.amax(-1, keepdim=True)
+        # A row with no allowed key: shift by 0, so its weights are 0 (not NaN) and its lse -inf.
+        row_max = row_max if mask is None else row_max.masked_fill_(row_max == -INF, 0)
+        weights = _exp_(logits.sub_(row_max))
+        total = weights.sum(-1, keepdim=True)
+        lse = total.log().add_(row_max)
+        # Normalized on the (rows, D) output, not the (rows, keys) weights; an empty row stays 0.
+        out = torch.matmul(weights, v_acc[:, :, keys]).div_(total.clamp_(min=torch.finfo(acc).tiny))
         outs.append(out.reshape(b, h, -1, v.shape[-1]))
         lses.append(lse.reshape(b, h, -1))
     return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
@@ -110,7 +133,7 @@ def math_backward(dout, q, k, v, out, lse, causal, scale, mask=None, softcap=Non
     dq, dk, dv = torch.empty_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
     for rows, keys in _tiles(q, k, causal):
         q_tile, logits, slope = _math_logits(q, k_acc, causal, scale, mask, softcap, rows, keys, grad=True)
-        probs = logits.sub_(grouped(lse.unsqueeze(-1), rows)).exp_()
+        probs = _exp_(logits.sub_(grouped(lse.unsqueeze(-1), rows)))
         dout_tile = grouped(dout, rows)
         delta = (dout_tile * grouped(out, rows)).sum(-1, keepdim=True)
         dv[:, :, keys] += torch.matmul(probs.transpose(-1, -2), dout_tile)  # sums over the G heads too
