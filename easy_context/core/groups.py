@@ -22,6 +22,7 @@ import gc
 import inspect
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -302,9 +303,16 @@ def release_groups() -> None:
 # destructors that run after it can abort a finished run ("terminate called without an active
 # exception", about 1 run in 24 on gloo): torchrun then reports a failure. So, once the patch
 # is applied (or prepare_trainer called) in a distributed process, we tear down at exit
-# ourselves, in two steps:
+# ourselves, in three steps:
 #   1. a Python exit handler: forget our group handles and destroy the process groups while the
 #      interpreter is whole (what launch.shutdown does for our own scripts);
+#   1b. wait (GIL released, at most 5 s) until no gloo worker thread is running: a process
+#      group still referenced (by DDP, say) keeps its workers alive through destroy_process_group,
+#      and a worker that drops a finished op's tensors after Python starts finalizing needs the
+#      GIL, gets pthread_exit instead, and aborts inside a noexcept destructor (the "terminate"
+#      above; backtrace: ProcessGroupGloo::runLoop -> TensorImpl::decref_pyobject ->
+#      PyEval_AcquireThread -> pthread_exit). No API tells when a worker is idle: the thread
+#      states in /proc do (Linux; elsewhere this step is skipped);
 #   2. after Python has finished (its own exit handlers, module teardown, flushed streams),
 #      glibc's on_exit calls _exit(status) with the process's own exit status, so the C++
 #      static destructors that race those threads never run. The status is the one exit()
@@ -312,7 +320,7 @@ def release_groups() -> None:
 #      step 1, at exit: C exit handlers run last-registered first, and the function-local
 #      statics that gloo and c10d create during training register their destructors when
 #      first used, so a registration made any earlier would run after them.
-# EASY_CONTEXT_EXIT_TEARDOWN=0 turns both off.
+# EASY_CONTEXT_EXIT_TEARDOWN=0 turns all three off.
 _teardown_registered = False
 
 
@@ -335,7 +343,37 @@ def _teardown() -> None:
             dist.destroy_process_group()
         except Exception as error:  # a peer already gone: nothing left to release in order
             print(f"easy_context: destroy_process_group at exit failed ({error})", file=sys.stderr)
+    _let_gloo_workers_finish()
     _skip_cxx_static_destructors_at_exit()
+
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def _gloo_worker_running() -> bool:
+    """Whether a gloo worker thread of this process is running or runnable (state R)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread has ended
+            continue
+        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name == GLOO_WORKER_THREAD and state == "R":
+            return True
+    return False
+
+
+def _let_gloo_workers_finish(timeout: float = 5.0, quiet_polls: int = 3) -> None:
+    """Sleep (the GIL released) until no gloo worker has run for `quiet_polls` polls in a row."""
+    deadline, quiet = time.monotonic() + timeout, 0
+    while quiet < quiet_polls and time.monotonic() < deadline:
+        time.sleep(0.005)
+        quiet = 0 if _gloo_worker_running() else quiet + 1
 
 
 def _skip_cxx_static_destructors_at_exit() -> None:
