@@ -8,6 +8,7 @@ checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resum
 tiled_mlp.py   MLPs run in sequence tiles (activation memory)
 lora.py        LoRA adapters (peft, lazily): train.py --lora-r, adapter folders for the evals
 needle.py      needle / passkey prompts for any tokenizer
+demo_data.py   the demo base's tokenizer, copy and needle rows, accuracies (scripts/pretrain_demo_base.py)
 evaluation.py  score whole sequences over an SP group (no grad, per-token results)
 plots.py       heatmaps and curves
 plan.py        the planner: memory and time per mode for a model, length and cluster
