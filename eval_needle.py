@@ -14,7 +14,8 @@ when the argmax at every answer position is the answer's next token. With --gene
 model also answers in free form (easy_context.generate: greedy, up to --max_new_tokens
 tokens, the prompt's KV cache sharded over the SP group); that answer is right when its
 first number is exactly the hidden one. Both scores are reported side by side. Writes
-<output-dir>/<task>_<model>.png (heatmap), .csv (one row per sample) and .json.
+<output-dir>/<task>_<model>.png (heatmap; with --generate also <task>_<model>_generate.png),
+.csv (one row per sample) and .json.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def parse_args(argv=None):
 
     flag("model", default=None, help="hub name or local folder (default: outputs/tiny-llama, what train.py saves)")
     flag("task", default="needle", choices=["needle", "passkey"], help="city magic number, or Landmark-style passkey")
-    flag("max_context_length", type=int, default=4096)
-    flag("min_context_length", type=int, default=1024)
-    flag("context_interval", type=int, default=1024, help="step between context lengths (tokens)")
+    # 256 to 2,048 tokens: the shipped base's context (512) and the default train.py job's (2,048) inside
+    flag("max_context_length", type=int, default=2048)
+    flag("min_context_length", type=int, default=256)
+    flag("context_interval", type=int, default=256, help="step between context lengths (tokens)")
     flag(
         "depth_interval",
         type=float,
@@ -292,14 +294,18 @@ def write_outputs(args, source: str, lengths, depths, records) -> None:
         summary["generate_overall_accuracy"] = float(np.mean([r["generated_correct"] for r in records]))
         summary["generate_accuracy"] = {f"{length}/{depth}": a for (length, depth), a in generated.items()}
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    title = f"{args.task}: {Path(source.rstrip('/')).name} ({args.parallel_mode}), accuracy {overall:.2f}"
-    needle_heatmap(accuracy, lengths, depths, stem.with_suffix(".png"), title)
+    name = f"{args.task}: {Path(source.rstrip('/')).name} ({args.parallel_mode})"
+    needle_heatmap(accuracy, lengths, depths, stem.with_suffix(".png"), f"{name}, accuracy {overall:.2f}")
+    if args.generate:
+        title = f"{name}, generated answers, accuracy {summary['generate_overall_accuracy']:.2f}"
+        needle_heatmap(generated, lengths, depths, stem.with_name(stem.name + "_generate.png"), title)
 
     print_table(f"{args.task} accuracy (teacher forcing)", accuracy, lengths, depths, len(records))
     if args.generate:
         print_table(f"{args.task} accuracy (generated answer, exact digits)", generated, lengths, depths, len(records))
         print(f"generated answers: overall accuracy {summary['generate_overall_accuracy']:.3f}")
-    print(f"teacher forcing: overall accuracy {overall:.3f}; wrote {stem}.png, {stem}.csv, {stem}.json")
+    heatmaps = f"{stem}.png, {stem}_generate.png" if args.generate else f"{stem}.png"
+    print(f"teacher forcing: overall accuracy {overall:.3f}; wrote {heatmaps}, {stem}.csv, {stem}.json")
 
 
 def cell_accuracy(records, lengths, depths, field: str) -> dict:

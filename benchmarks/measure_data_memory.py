@@ -52,6 +52,7 @@ def train(dataset: Path, out: Path, args) -> dict:
         "--nproc_per_node",
         "2",
         str(ROOT / "train.py"),
+        "--from-scratch",  # the random tiny Llama: the datasets are byte tokens
         "--dataset",
         str(dataset),
         "--seq-length",

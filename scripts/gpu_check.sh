@@ -21,7 +21,7 @@
 #   modes_pN    the same on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
 #   bench       benchmarks/bench_kernels.py: our backends and modes vs flash SDPA, fwd+bwd, S = 8K-64K
 #               (flash_attn and ring_flash_attn rows when they import)
-#   train       train.py, tiny Llama, 2 steps per memory option (none, checkpointing, + offload,
+#   train       train.py --from-scratch, 2 steps per memory option (none, checkpointing, + offload,
 #               tiled MLP, loss chunk 1024, all; all under bf16 autocast): final losses must agree
 #   peers       ring_flash_attn / yunchang: imported and run when installed, else why not
 # Exit status: 0 when no section failed (a section skipped for a missing optional package is
@@ -191,12 +191,14 @@ train_options() {
   for entry in "${variants[@]}"; do
     name=${entry%%|*}; flags=${entry#*|}
     echo "-- $name: $flags"
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" train.py --seq-length "$TRAIN_LEN" \
-      --max-train-steps 2 --log-with none --output-dir "$WORK/train_$name" $flags || return 1
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" train.py --from-scratch \
+      --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none --output-dir "$WORK/train_$name" \
+      $flags || return 1
   done
   echo "-- all, bf16 autocast (accelerate mixed precision)"
   ACCELERATE_MIXED_PRECISION=bf16 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" train.py \
-    --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none --output-dir "$WORK/train_all_bf16" \
+    --from-scratch --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none \
+    --output-dir "$WORK/train_all_bf16" \
     --activation-checkpointing --offload-checkpoints --tiled-mlp 1024 --loss-chunk-size 1024 || return 1
   "$PY" - "$WORK" <<'EOF'
 import json, math, sys

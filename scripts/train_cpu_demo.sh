@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The embedded default on a CPU machine: tiny Llama on the Python standard library's sources,
-# 2 processes, sequence parallel. Then the same under DeepSpeed ZeRO-3 + CPU offload.
+# The from-scratch job on a CPU machine: a random tiny Llama on the Python standard library's
+# sources (byte tokenizer), 2 processes, sequence parallel. Then the same under DeepSpeed
+# ZeRO-3 + CPU offload.
 set -euo pipefail
 MODE=${MODE:-zigzag_ring_attn}
-OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --parallel_mode "$MODE" --output-dir outputs/tiny-llama
+OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --from-scratch --parallel_mode "$MODE" --output-dir outputs/tiny-llama
 if python -c "import deepspeed" 2>/dev/null; then
   DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_zero3_offload.yaml \
-    train.py --parallel_mode "$MODE" --output-dir outputs/tiny-llama-zero3 --max-train-steps 10
+    train.py --from-scratch --parallel_mode "$MODE" --output-dir outputs/tiny-llama-zero3 --max-train-steps 10
 fi

@@ -46,6 +46,7 @@ SLOW = {
     },
     "test_clean_exit": ALL,
     "test_deepspeed": ALL,
+    "test_demo": ALL,
     "test_dispatch_counts": ALL,
     "test_device_placement": {
         "test_every_collective_gets_tensors_made_on_the_data_device",

@@ -76,7 +76,7 @@ def adapter_base(source: str) -> str | None:
     if not base:
         raise ValueError(
             f"{config_file} names no base model (base_model_name_or_path): set it to the model the adapter was "
-            "trained on (train.py --lora-r needs --model for this reason)"
+            "trained on (train.py --lora-r writes it)"
         )
     return base
 

@@ -146,6 +146,7 @@ def train_py(tmp_path, mode):
         "--standalone",
         "--nproc_per_node=2",
         str(ROOT / "train.py"),
+        "--from-scratch",
         "--parallel_mode",
         mode,
         "--max-train-steps",

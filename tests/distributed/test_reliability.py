@@ -17,7 +17,8 @@ from ranks import run_ranks
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--parallel_mode", "zigzag_ring_attn"]
+SMALL = ["--from-scratch", "--seq-length", "256", "--max-rows", "16", "--log-with", "none"]
+SMALL += ["--parallel_mode", "zigzag_ring_attn"]
 
 
 def torchrun(out, *flags, fault=None, timeout=240):

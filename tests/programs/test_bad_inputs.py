@@ -43,6 +43,8 @@ FLAG_CASES = [  # (script, flags, message): refused by parse_args before anythin
         ["--warmup-steps", "100", "--max-train-steps", "60"],
         "--warmup-steps must be between 0 and --max-train-steps (60), got 100",
     ),
+    ("train.py", ["--from-scratch", "--model", "M"], "from random weights; drop --model M or --from-scratch"),
+    ("train.py", ["--from-scratch", "--lora-r", "8"], "--lora-r needs pretrained weights to adapt (the adapter"),
     ("train.py", ["--checkpointing-steps", "-1"], "--checkpointing-steps must be >= 0, got -1"),
     ("train.py", ["--save-total-limit", "0"], "--save-total-limit must be >= 1, got 0"),
     ("train.py", ["--skip-nonfinite-steps", "-1"], "--skip-nonfinite-steps must be >= 0, got -1"),
@@ -112,11 +114,12 @@ def test_train_refuses_bad_runs_with_one_line(tmp_path):
     foreign.mkdir()
     (foreign / "trainer_state.json").write_text(json.dumps({"global_step": 10, "log_history": []}))
     out = tmp_path / "out"
-    small = ["--output-dir", str(out), "--log-with", "none", "--seq-length", "256", "--max-train-steps", "1"]
+    common = ["--output-dir", str(out), "--log-with", "none", "--seq-length", "256", "--max-train-steps", "1"]
+    small = [*common, "--from-scratch"]  # the byte-level tiny Llama: nothing to load
     cases = [
         ([*small, "--dataset", str(malformed)], "cannot be read as json: JSON parse error"),
         ([*small, "--dataset", str(csv_file)], "use .json, .jsonl, .parquet or .txt"),
-        ([*small, "--model", str(tmp_path / "no-such-model")], f"--model {tmp_path / 'no-such-model'}:"),
+        ([*common, "--model", str(tmp_path / "no-such-model")], f"--model {tmp_path / 'no-such-model'}:"),
         (
             [*small, "--output-dir", str(no_checkpoint), "--resume-from-checkpoint", "latest"],
             "latest: no checkpoint in",
@@ -164,6 +167,7 @@ def test_eval_scripts_refuse_impossible_layouts():
 def test_a_bad_replica_check_setting_is_refused_at_the_first_forward(tmp_path):
     code, stderr = run(
         "train.py",
+        "--from-scratch",
         "--output-dir",
         str(tmp_path),
         "--log-with",

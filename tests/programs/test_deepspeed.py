@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "accelerate_configs" / "cpu_zero3_offload.yaml"
-SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none"]
+SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--from-scratch"]
 ACCUMULATE = ["--gradient-accumulate-every", "2"]  # DeepSpeed counts micro-batches itself: exercise it
 
 

@@ -48,6 +48,7 @@ def two_nodes(out, *flags, timeout=300):
             "--output-dir",
             str(out),
             *SMALL,
+            "--from-scratch",  # as test_train.train's reference run
             *flags,
         ]
         agents.append(

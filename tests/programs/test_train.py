@@ -19,7 +19,10 @@ SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--lea
 
 
 def train(tmp_path, name, processes, *flags, timeout=240, env=None):
+    """train.py under torchrun: the from-scratch job (random tiny Llama, byte tokenizer, the
+    embedded corpus) unless `flags` name a --model. Returns (per-step losses, output folder)."""
     out = tmp_path / name
+    job = [] if "--model" in flags else ["--from-scratch"]
     command = [
         sys.executable,
         "-m",
@@ -30,6 +33,7 @@ def train(tmp_path, name, processes, *flags, timeout=240, env=None):
         "--output-dir",
         str(out),
         *SMALL,
+        *job,
         *flags,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -98,7 +102,8 @@ def test_bad_inputs_get_clear_messages(tmp_path):
     short.write_text("\n".join(json.dumps({"input_ids": list(range(n))}) for n in (600, 100)))
     no_ids = tmp_path / "text.jsonl"
     no_ids.write_text(json.dumps({"text": "hello"}))
-    # a model whose tokenizer is not the byte tokenizer: the embedded (byte) corpus is refused for it
+    # a model whose tokenizer is not the byte tokenizer: its embedded corpus is needle documents
+    # only, so --retrieval-fraction (the byte-level corpus' share of them) is refused for it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from easy_context.programs.data import byte_tokenizer
@@ -119,8 +124,8 @@ def test_bad_inputs_get_clear_messages(tmp_path):
         ),
         (["--streaming"], "--streaming needs --dataset"),
         (
-            ["--model", str(other), "--seq-length", "256"],
-            "the embedded corpus is byte tokens, for the byte-level default model",
+            ["--model", str(other), "--seq-length", "256", "--retrieval-fraction", "0.2"],
+            "--retrieval-fraction 0.2: the embedded corpus of a model with its own tokenizer is all needle documents",
         ),
         (
             ["--dataset", str(foreign_ids), "--seq-length", "256", "--max-train-steps", "1"],
@@ -136,7 +141,8 @@ def test_bad_inputs_get_clear_messages(tmp_path):
         (["--resume-from-checkpoint", str(tmp_path)], "not a checkpoint folder"),
     ]
     for flags, message in cases:
-        code, stderr = run_train_single("--output-dir", str(tmp_path / "out"), "--log-with", "none", *flags)
+        job = [] if "--model" in flags else ["--from-scratch"]  # the byte-level job, as before the demo base
+        code, stderr = run_train_single("--output-dir", str(tmp_path / "out"), "--log-with", "none", *job, *flags)
         assert code == 2 and message in stderr and "Traceback" not in stderr, (flags, stderr[-2000:])
 
 

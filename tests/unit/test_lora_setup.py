@@ -132,7 +132,10 @@ def test_train_py_refuses_bad_lora_flags(capsys):
     import train
 
     for flags, messages in [
-        (["--lora-r", "0"], ["--lora-r must be >= 1, got 0", "--lora-r needs --model"]),
+        (
+            ["--lora-r", "0", "--from-scratch"],
+            ["--lora-r must be >= 1, got 0", "--lora-r needs pretrained weights to adapt"],
+        ),
         (["--lora-targets", "q_proj"], ["--lora-alpha and --lora-targets need --lora-r"]),
         (["--lora-r", "4", "--model", "m", "--lora-alpha", "0"], ["--lora-alpha must be > 0 (the adapters' scale"]),
     ]:
@@ -140,6 +143,8 @@ def test_train_py_refuses_bad_lora_flags(capsys):
             train.parse_args(flags)
         err = capsys.readouterr().err
         assert caught.value.code == 2 and all(m in err for m in messages), (flags, err)
+    args = train.parse_args(["--lora-r", "4"])  # no --model: the adapters go on the shipped demo base
+    assert args.model == str(train.DEMO_BASE) and args.lora_r == 4
 
 
 def test_train_py_refuses_accelerate_context_parallelism_and_an_adapter_as_the_model(tmp_path, capsys):
