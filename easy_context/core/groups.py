@@ -264,12 +264,13 @@ def get_groups(topology: Topology) -> SeqParallelGroups:
             dist.barrier(group=group)
         if os.environ.get("EASY_CONTEXT_LOG_GROUPS", "0") == "1":
             mine = [next(ranks for ranks in lists if rank in ranks) for lists in (sp_lists, ulysses_lists, ring_lists)]
-            print(
+            # One write with its newline: the ranks of a node share the launcher's pipe, and
+            # print's separate write of the newline let two ranks' lines run together.
+            sys.stderr.write(
                 f"easy_context groups: rank {rank} node {os.environ.get('GROUP_RANK', '?')} "
-                f"sp={mine[0]} ulysses={mine[1]} ring={mine[2]}",
-                file=sys.stderr,
-                flush=True,
+                f"sp={mine[0]} ulysses={mine[1]} ring={mine[2]}\n"
             )
+            sys.stderr.flush()
         state.by_topology[topology] = groups
     return state.by_topology[topology]
 

@@ -72,14 +72,11 @@ def test_two_simulated_nodes_split_usp_by_node_and_train_exactly(tmp_path):
         assert code == 0, stderr[-3000:]
 
     logged = {}
+    pattern = r"easy_context groups: rank (\d) node (\d) sp=(\[.*?\]) ulysses=(\[.*?\]) ring=(\[.*?\])"
     for _, stderr in results:
-        for line in stderr.splitlines():
-            match = re.search(
-                r"easy_context groups: rank (\d) node (\d) sp=(\[.*?\]) ulysses=(\[.*?\]) ring=(\[.*?\])", line
-            )
-            if match:
-                rank, node, *lists = match.groups()
-                logged[int(rank)] = (int(node), *(eval(x) for x in lists))  # noqa: S307 (lists we printed)
+        for match in re.finditer(pattern, stderr):  # not line by line: other output may share a line
+            rank, node, *lists = match.groups()
+            logged[int(rank)] = (int(node), *(eval(x) for x in lists))  # noqa: S307 (lists we printed)
     assert sorted(logged) == [0, 1, 2, 3], logged
     node_of = {rank: node for rank, (node, *_) in logged.items()}
     assert node_of == {0: 0, 1: 0, 2: 1, 3: 1}
