@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "models" / "demo-base"
 
 
-def script(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_script", ROOT / path)
+def pretrain_script():
+    """scripts/pretrain_demo_base.py as a module (scripts/ is not a package; train.py and
+    eval_needle.py import from the repository root)."""
+    spec = importlib.util.spec_from_file_location("pretrain_demo_base", ROOT / "scripts" / "pretrain_demo_base.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,7 +51,7 @@ def test_shipped_files_hash_to_their_checksums():
 
 def test_shipped_model_scores_its_logs_last_evaluation(base):
     model, tokenizer = base
-    pretrain = script("scripts/pretrain_demo_base.py")
+    pretrain = pretrain_script()
     args = pretrain.parse_args(["--out", "unused"])  # the flags the shipped run used are the defaults
     log = [json.loads(line) for line in (BASE / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == args.steps
@@ -64,7 +66,8 @@ def test_shipped_model_scores_its_logs_last_evaluation(base):
 
 def test_eval_needle_scores_right_and_corrupted_answers(base):
     model, tokenizer = base
-    eval_needle = script("eval_needle.py")
+    import eval_needle
+
     args = eval_needle.parse_args(["--generate"])
     scorer = SeqParallelScorer(model, "data_parallel", 0, 1, torch.device("cpu"))
     haystack = eval_needle.Haystack(tokenizer, eval_needle.haystack_text(args), min_tokens=512)
@@ -94,7 +97,6 @@ def test_needle_answer_rows_train_the_answers_alone(base):
     assert torch.equal(again_ids[0], ids[1]) and torch.equal(again_labels[0], labels[1])
     assert not torch.equal(NeedleAnswerRows(tokenizer, 1025, count=6, seed=4)[[1]][0][0], ids[1])
 
-    needles = NeedleRows(tokenizer, 1025)
     for row_ids, row_labels in zip(ids, labels):
         trained = row_labels != -100
         assert torch.equal(row_labels[trained], row_ids[trained])
@@ -104,7 +106,6 @@ def test_needle_answer_rows_train_the_answers_alone(base):
         assert answers and all(a.startswith(" ") and a[1:].isdigit() and len(a) == 8 for a in answers)
         assert text.count("What is the special magic") == len(answers)
         assert text.count("The special magic") == 2 * len(answers)  # one needle per prompt, no distractors
-    assert needles.eos == tokenizer.eos_token_id
 
 
 def _runs(mask: torch.Tensor) -> list[slice]:
@@ -120,7 +121,8 @@ def _runs(mask: torch.Tensor) -> list[slice]:
 
 
 def test_train_py_default_job_extends_the_shipped_base():
-    train = script("train.py")
+    import train
+
     args = train.parse_args([])
     assert (Path(args.model), args.rope_theta, args.learning_rate, args.max_train_steps) == (BASE, 160000.0, 3e-4, 300)
     assert args.seq_length == 2048 and args.parallel_mode == "zigzag_ring_attn"
