@@ -97,6 +97,9 @@ SLOW = {
     "test_mixed_precision": ALL,
     "test_model_types_scripts": ALL,
     "test_models": ALL,
+    "test_model_sweep": {
+        "test_the_sweep_proves_the_record",
+    },
     "test_plan": {
         "test_bad_input_messages",
         "test_cli_table_and_json_agree",
@@ -108,6 +111,11 @@ SLOW = {
         "test_guard_catches_different_initial_weights",
         "test_guard_stops_training_without_gradient_sync",
         "test_make_accelerator_gives_ddp_and_the_guard_stays_quiet",
+    },
+    "test_rope": {
+        "test_every_rope_type_trains_and_evaluates_exactly_in_every_mode_at_two_ranks",
+        "test_generation_with_every_length_dependent_rope_matches_model_generate",
+        "test_length_dependent_rope_under_usp_at_four_ranks",
     },
     "test_scripts_smoke": ALL,
     "test_train": {

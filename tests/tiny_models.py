@@ -73,8 +73,10 @@ _ARCHITECTURES = {
 }
 for _type, _extra in _ARCHITECTURES.items():
     _CONFIGS[_type] = lambda t=_type, e=_extra: AutoConfig.for_model(t, **{**_COMMON, **_IDS, **e})
-ARCHITECTURES = tuple(SUPPORTED)
-assert set(_CONFIGS) == set(SUPPORTED), "a tiny config for every supported model type"
+# The families whose features the architecture tests switch on and off one by one (bf16, usp at
+# 4 ranks, generation); every supported type is proven in fp32 by tools/sweep_models.py.
+ARCHITECTURES = tuple(_CONFIGS)
+assert set(_CONFIGS) <= set(SUPPORTED), "tiny configs of supported model types only"
 
 
 def tiny_config(model_type: str, **overrides):

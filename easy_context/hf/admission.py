@@ -11,22 +11,28 @@ import ast
 import functools
 import inspect
 import textwrap
+import weakref
 
 import torch
 
-__all__ = ["logit_options", "equal_head_dims", "check_call", "check_mask_function", "mask_parts"]
+from easy_context.hf.architectures import check_config_features
+
+__all__ = ["logit_options", "equal_head_dims", "check_call", "check_config", "check_mask_function", "mask_parts"]
 
 
 # Keywords a model's attention module passes its attention function by name are features of
 # the architecture (a softcap, sinks, a window...). Each must be one we implement, or known to
-# change nothing here; anything else is refused. This guards the supported types (all 18 pass
+# change nothing here; anything else is refused. This guards the supported types (all pass
 # only known keywords) against new releases; it reads the calls to `attention_interface(...)`
 # in the class's source, so a feature passed another way (a module attribute, a **dict) is
 # not seen, which is why the list of types stays explicit (architectures.py). The rest of
 # **kwargs is what the caller passed the model (Trainer's shift_labels, our
 # seq_parallel_index...), passed through untouched.
 _LOGIT_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "sinks": "sinks"}
-_KNOWN_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "position_ids", "is_causal", *_LOGIT_KWARGS})
+# (attention_mask: the mask argument itself, passed by name)
+_KNOWN_KWARGS = frozenset(
+    {"attention_mask", "scaling", "dropout", "sliding_window", "position_ids", "is_causal", *_LOGIT_KWARGS}
+)
 
 
 @functools.cache
@@ -80,6 +86,21 @@ def equal_head_dims(query, key, value):
         return query, key, torch.nn.functional.pad(value, (0, d_qk - d_v)), d_v
     pad = (0, d_v - d_qk)
     return torch.nn.functional.pad(query, pad), torch.nn.functional.pad(key, pad), value, d_v
+
+
+_checked_configs: dict = {}  # id(config) -> weakref to it: configs whose features were checked
+
+
+def check_config(config) -> None:
+    """architectures.check_config_features, once per config object (the mask dispatcher's
+    call: a model patched by its type's name shows its config first there)."""
+    if config is None:
+        return
+    ref = _checked_configs.get(id(config))
+    if ref is not None and ref() is config:
+        return
+    check_config_features(config)
+    _checked_configs[id(config)] = weakref.ref(config)
 
 
 def check_call(module, attention_mask, kwargs, sharded_mask_type) -> None:

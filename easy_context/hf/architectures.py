@@ -1,22 +1,31 @@
 """Which decoder architectures run sequence parallel, and why the others are refused.
 
-The one list of supported model types. Each is proven equal to the unpatched single-process
-model (logits, loss, every parameter gradient) in every mode family by
-tests/unit/test_architectures.py, on a tiny config; the softcap, sinks, MLA head dims and most
-windows are active there, the windows of Mistral, Qwen2 and Qwen3 in
-tests/distributed/test_masked_models.py. The README's table is checked against this list.
-
-Refused types fall in two groups: hybrids whose other layers mix tokens along the sequence
-(linear attention, state-space or convolution layers would need their recurrent state passed
-across ranks), and attention variants not implemented yet. A model type in neither list is
-refused as untested.
+The record is model_types.py (SUPPORTED: proven exact by tools/sweep_models.py; REFUSED: the
+reason of every other causal-LM type). This module applies it: the model types of a model or
+config, the features of a config that no test has proven (layer kinds, rope types), the
+logits head, and the README's tables.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
+
+from easy_context.hf.model_types import (  # noqa: F401  (the record; its categories are re-exported)
+    ENCODER,
+    ENCODER_DECODER,
+    HYBRID,
+    MULTIMODAL,
+    NEEDS_LIBRARY,
+    NOT_IMPLEMENTED,
+    OUTSIDE_REGISTRY,
+    REFUSAL_CATEGORIES,
+    REFUSED,
+    SUPPORTED,
+    UNTESTED,
+)
 
 __all__ = [
     "SUPPORTED",
@@ -27,60 +36,79 @@ __all__ = [
     "attn_implementation",
     "logits_head",
     "check_training_config",
+    "modeling_module",
+    "check_config_features",
+    "PROVEN_ROPE_TYPES",
+    "rope_types",
 ]
 
-# model_type -> what it adds to Llama's architecture
-SUPPORTED = {
-    "llama": (),
-    "mistral": ("sliding window",),
-    "mixtral": ("sliding window", "mixture of experts"),
-    "qwen2": ("sliding window layers",),
-    "qwen3": ("QK norm", "sliding window layers"),
-    "qwen3_moe": ("QK norm", "mixture of experts"),
-    "gemma": ("scaled embeddings", "head dim 256 by default"),
-    "gemma2": ("logit softcapping", "alternating sliding / global layers"),
-    "gemma3_text": ("QK norm", "alternating sliding / global layers, local RoPE base"),
-    "phi3": ("fused QKV", "sliding window"),
-    "olmo2": ("QK norm over all heads",),
-    "granite": ("attention multiplier as the scale",),
-    "smollm3": ("NoPE layers",),
-    "glm4": ("partial rotary",),
-    "cohere2": ("alternating sliding / global layers, NoPE global layers",),
-    "starcoder2": ("sliding window", "biases"),
-    "gpt_oss": ("attention sinks", "alternating sliding / global layers", "mixture of experts"),
-    "deepseek_v3": ("MLA: value head dim != query/key head dim", "mixture of experts"),
-}
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED)
 
-_RECURRENT = "layers that carry a recurrent state along the sequence"
-REFUSED = {
-    "qwen3_next": f"hybrid: Gated DeltaNet linear-attention {_RECURRENT}",
-    "qwen3_5": f"hybrid: Gated DeltaNet linear-attention {_RECURRENT}",
-    "qwen3_5_moe": f"hybrid: Gated DeltaNet linear-attention {_RECURRENT}",
-    "falcon_h1": f"hybrid: Mamba-2 {_RECURRENT}, in parallel with attention",
-    "falcon_mamba": f"state-space model: Mamba {_RECURRENT}",
-    "mamba": f"state-space model: Mamba {_RECURRENT}",
-    "mamba2": f"state-space model: Mamba-2 {_RECURRENT}",
-    "jamba": f"hybrid: Mamba {_RECURRENT}",
-    "bamba": f"hybrid: Mamba-2 {_RECURRENT}",
-    "zamba": f"hybrid: Mamba {_RECURRENT}",
-    "zamba2": f"hybrid: Mamba-2 {_RECURRENT}",
-    "granitemoehybrid": f"hybrid: Mamba-2 {_RECURRENT}",
-    "nemotron_h": f"hybrid: Mamba-2 {_RECURRENT}",
-    "lfm2": "hybrid: short causal convolution layers that mix neighbouring tokens across shard boundaries",
-    "lfm2_moe": "hybrid: short causal convolution layers that mix neighbouring tokens across shard boundaries",
-    "kimi_linear": f"hybrid: Kimi Delta Attention {_RECURRENT}",
-    "minimax": f"hybrid: lightning (linear) attention {_RECURRENT}",
-    "olmo_hybrid": f"hybrid: linear-attention {_RECURRENT}",
-    "recurrent_gemma": f"hybrid: RG-LRU {_RECURRENT}",
-    "rwkv": f"recurrent model: RWKV {_RECURRENT}",
-    "xlstm": f"recurrent model: xLSTM {_RECURRENT}",
-    "llama4": "chunked-attention layers (attention_chunk_size) are not implemented yet",
-    "llama4_text": "chunked-attention layers (attention_chunk_size) are not implemented yet",
-}
-# layer_types entries that are plain attention (a window, if any, comes as the attention's
-# sliding_window argument); any other entry is a layer sequence parallelism cannot split.
+# config.layer_types entries. Plain attention (a window, if any, comes as the attention's
+# sliding_window argument) and layers that do not mix tokens run sequence parallel; attention
+# we do not implement and other sequence mixers are refused.
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_TOKEN_WISE_LAYER_TYPES = frozenset({"mlp", "moe"})
+_UNIMPLEMENTED_LAYER_TYPES = {
+    "chunked_attention": "chunked attention (fixed-size causal chunks)",
+    "indexed_attention": "sparse attention whose indexer picks each query's keys (DeepSeek's DSA)",
+    "compressed_sparse_attention": "compressed sparse attention",
+    "heavily_compressed_attention": "compressed sparse attention",
+}
+
+
+# How transformers' modeling files name sequence mixers other than attention (class name
+# endings), and layer kinds (config.layer_types) that are such mixers.
+_MIXER_CLASS_ENDINGS = (
+    "Mixer",
+    "GatedDeltaNet",
+    "DeltaAttention",
+    "ShortConv",
+    "ShortConvolution",
+    "LinearAttention",
+    "LightningAttention",
+    "RecurrentBlock",
+    "MambaLayer",
+    "xLSTMLayer",
+)
+
+
+def unimplemented_attention(config) -> str | None:
+    """The attention variant a config's layer kinds ask for that is not implemented, if any."""
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) & set(_UNIMPLEMENTED_LAYER_TYPES))
+    return _UNIMPLEMENTED_LAYER_TYPES[kinds[0]] if kinds else None
+
+
+def sequence_mixers(model_class, config) -> list[str]:
+    """What in a model type, besides attention, mixes tokens along the sequence: its layer
+    kinds that are not attention and the mixer classes its modeling module defines."""
+    import sys
+
+    kinds = set(getattr(config, "layer_types", None) or ())
+    kinds -= _ATTENTION_LAYER_TYPES | _TOKEN_WISE_LAYER_TYPES | set(_UNIMPLEMENTED_LAYER_TYPES)
+    module = sys.modules[model_class.__module__]
+    classes = {
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type) and value.__module__ == module.__name__ and name.endswith(_MIXER_CLASS_ENDINGS)
+    }
+    return sorted(kinds) + sorted(classes)
+
+
+# transformers' ROPE_INIT_FUNCTIONS (5.25) plus the plain rotary ("default"): each is proven
+# exact in every mode by tests/distributed/test_rope.py (the length-dependent ones through
+# hf/rope.py); a config with any other rope type is refused.
+PROVEN_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional"})
+
+
+def rope_types(config) -> set[str]:
+    """The rope types a (text) config uses: one, or one per layer type (Gemma 3's local base)."""
+    parameters = getattr(config, "rope_parameters", None)
+    if not isinstance(parameters, dict):
+        return set()
+    if "rope_type" in parameters or "rope_theta" in parameters:
+        return {parameters.get("rope_type", "default")}
+    return {p.get("rope_type", "default") for p in parameters.values() if isinstance(p, dict)}
 
 
 def model_types_of(model_or_type) -> list[str]:
@@ -96,19 +124,45 @@ def model_types_of(model_or_type) -> list[str]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: the decoder's
     if text.model_type in REFUSED:  # the known reason first
         check_model_type(text.model_type)
-    _check_layer_types(text)
+    check_config_features(text)
     return [text.model_type]
 
 
-def _check_layer_types(config) -> None:
-    layer_types = getattr(config, "layer_types", None) or ()
-    other = sorted(set(layer_types) - _ATTENTION_LAYER_TYPES)
+def check_config_features(config) -> None:
+    """Refuse what a (text) config asks for that no test has proven exact: layers other than
+    attention, rope types outside rope.PROVEN_ROPE_TYPES."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    unimplemented = sorted(kinds & set(_UNIMPLEMENTED_LAYER_TYPES))
+    if unimplemented:
+        raise ValueError(
+            f"model type {config.model_type!r} has layers of type {unimplemented}: "
+            f"{_UNIMPLEMENTED_LAYER_TYPES[unimplemented[0]]} is {NOT_IMPLEMENTED} under sequence parallelism"
+        )
+    other = sorted(kinds - _ATTENTION_LAYER_TYPES - _TOKEN_WISE_LAYER_TYPES)
     if other:
         raise ValueError(
             f"model type {config.model_type!r} has layers of type {other}: sequence parallelism splits only "
-            f"attention layers ({sorted(_ATTENTION_LAYER_TYPES)}); "
-            "such layers would need their state passed across ranks"
+            f"attention layers ({sorted(_ATTENTION_LAYER_TYPES)}) and layers that do not mix tokens "
+            f"({sorted(_TOKEN_WISE_LAYER_TYPES)}); such layers would need their state passed across ranks"
         )
+    unproven = sorted(rope_types(config) - PROVEN_ROPE_TYPES)
+    if unproven:
+        raise ValueError(
+            f"model type {config.model_type!r} uses rope type {unproven}, which sequence parallelism has not been "
+            f"proven exact with; proven: {sorted(PROVEN_ROPE_TYPES)}"
+        )
+
+
+@functools.cache
+def modeling_module(model_type: str):
+    """transformers' modeling module of a model type (None where it has none)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError:
+        return None
 
 
 def check_model_type(model_type: str) -> None:
@@ -117,14 +171,10 @@ def check_model_type(model_type: str) -> None:
         return
     if model_type in REFUSED:
         raise ValueError(f"model type {model_type!r} cannot run sequence parallel: {REFUSED[model_type]}")
-    if f"{model_type}_text" in SUPPORTED:  # a multimodal wrapper's type given as a string
-        raise ValueError(
-            f"model type {model_type!r} is a multimodal wrapper: pass the model itself, or its decoder's "
-            f"type {model_type}_text"
-        )
     raise ValueError(
-        f"model type {model_type!r} is not supported; supported: {list(SUPPORTED)} (each tested against the "
-        "single-process model)"
+        f"model type {model_type!r} is untested: easy_context/hf/model_types.py records {len(SUPPORTED)} supported "
+        "types (each proven against the single-process model by python -m tools.sweep_models; "
+        "docs/model_types.md lists them and says how to add one)"
     )
 
 

@@ -61,6 +61,9 @@ class SequenceParallel:
         self.sp_size, self.ring_degree, self.document_split = sp_size, ring_degree, document_split
         self.heads = tuple(heads)
         self.decoding = None  # generation's ShardedKVCache while it decodes: attention goes to the cache
+        # while generation prefills S - 1 prompt tokens: the prompt's last position (a tensor),
+        # the length the one-process prefill's RoPE sees (hf/rope.py)
+        self.prefill_last_position = None
 
     # ------------------------------------------------------------ what it is
     @property
@@ -215,6 +218,15 @@ class SequenceParallel:
             yield cache
         finally:
             self.decoding = previous
+
+    @contextlib.contextmanager
+    def prefilling(self, last_position: torch.Tensor):
+        """While generation prefills part of a prompt whose largest position is `last_position`."""
+        previous, self.prefill_last_position = self.prefill_last_position, last_position
+        try:
+            yield
+        finally:
+            self.prefill_last_position = previous
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in self.options.items() if v is not None)

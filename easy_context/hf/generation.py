@@ -182,7 +182,8 @@ def _prefill(context, model, cache: ShardedKVCache, input_ids, attention_mask) -
     if length == 0:
         return
     # Positions as model.generate makes them: left padding does not count.
-    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[:, :length]
+    whole = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    positions = whole[:, :length]
     topology = context.topology()
     layout = context.mode.layout(topology)
     padded = length + layout.padding(length)
@@ -195,11 +196,13 @@ def _prefill(context, model, cache: ShardedKVCache, input_ids, attention_mask) -
     columns = layout.local_indices(padded, topology.sp_rank(collectives.rank())).to(ids.device)
     index = columns.masked_fill(columns >= length, -1)
     cache.start_prefill(index, mask[:, columns].bool(), length)
-    model(
-        input_ids=local["local_input_ids"],
-        position_ids=local["local_position_ids"],
-        attention_mask=local["local_attention_mask"],
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_keyword(model): cache},
-    )
+    # RoPE whose frequencies follow the length sees the whole prompt's, as in model.generate's prefill
+    with context.prefilling(whole.max()):
+        model(
+            input_ids=local["local_input_ids"],
+            position_ids=local["local_position_ids"],
+            attention_mask=local["local_attention_mask"],
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_keyword(model): cache},
+        )

@@ -34,7 +34,7 @@ from easy_context.core.global_mask import gather_sequence_mask
 from easy_context.core.groups import SeqParallelGroups
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
-from easy_context.hf import admission, compiled
+from easy_context.hf import admission, compiled, rope
 from easy_context.hf.replicas import check_replicas
 
 __all__ = ["SUPPORTED_IMPLEMENTATIONS", "ShardedMask", "install", "uninstall", "active"]
@@ -217,11 +217,18 @@ def _make_attention_dispatcher(name):
     return attention
 
 
+def _check_mask_call(mask_function, config) -> None:
+    """What a forward's mask builder shows us: the mask function transformers composed, and
+    the config (a model patched by its type's name is seen whole here first)."""
+    admission.check_mask_function(mask_function)
+    admission.check_config(config)
+
+
 # The check reads the closures of the mask function transformers composed for this forward,
 # which Dynamo cannot trace: under torch.compile it runs outside the graph (one graph break
 # per forward, before the decoder layers).
-_check_mask_function_outside_graph = torch.compiler.disable(
-    admission.check_mask_function, reason="reads the closures of the forward's mask function"
+_check_mask_call_outside_graph = torch.compiler.disable(
+    _check_mask_call, reason="reads the closures of the forward's mask function"
 )
 
 
@@ -231,10 +238,8 @@ def _make_mask_dispatcher(name, original):
             return original(*args, **kwargs)
         if name not in SUPPORTED_IMPLEMENTATIONS:
             _refuse_implementation(name)
-        if torch.compiler.is_compiling():
-            _check_mask_function_outside_graph(kwargs.get("mask_function"))
-        else:
-            admission.check_mask_function(kwargs.get("mask_function"))
+        check = _check_mask_call_outside_graph if torch.compiler.is_compiling() else _check_mask_call
+        check(kwargs.get("mask_function"), kwargs.get("config"))
         # Resolved at the first attention call, where the position_ids are known.
         return ShardedMask(kwargs.get("attention_mask"))
 
@@ -248,6 +253,7 @@ def install(context) -> None:
     global _installed
     _installed = context
     compiled.register(active)
+    rope.install(context.model_types, active)
     if _saved:  # dispatchers already in place; they read `_installed` at call time
         return
     attention_map = AttentionInterface._global_mapping
@@ -263,6 +269,7 @@ def install(context) -> None:
 def uninstall() -> None:
     global _installed
     _installed = None
+    rope.uninstall()
     for registry in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping):
         for name in list(registry):
             original = _saved.pop((id(registry), name), None)

@@ -211,7 +211,7 @@ def test_script_helpers_refuse_bad_values(tmp_path):
     """The library pieces behind the scripts: models, data, needle prompts, plots, masks."""
     import datasets
     from tiny_models import tiny_config
-    from transformers import GPT2Config
+    from transformers import BloomConfig
 
     from easy_context.core.groups import Topology
     from easy_context.core.masking import SequenceMask
@@ -220,9 +220,9 @@ def test_script_helpers_refuse_bad_values(tmp_path):
     from easy_context.programs.needle import PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
     from easy_context.programs.plots import read_perplexity_csv
 
-    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported: "):
-        load_config(str(tmp_path / "gpt2"))
+    BloomConfig(n_layer=1, hidden_size=8, n_head=2).save_pretrained(tmp_path / "bloom")
+    with pytest.raises(ValueError, match="model type 'bloom' cannot run sequence parallel: attention outside"):
+        load_config(str(tmp_path / "bloom"))
     with pytest.raises(ValueError, match="the model has attention_dropout=0.1; sequence parallelism needs 0.0"):
         check_config(tiny_config("llama", attention_dropout=0.1), Topology(2, 2, 2), 64, "zigzag_ring_attn")
     with pytest.raises(ValueError, match="num_attention_heads=3 does not split over the Ulysses degree 2"):

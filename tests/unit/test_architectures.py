@@ -76,8 +76,8 @@ REFUSALS = [
     ("jamba", "Mamba"),
     ("lfm2", "convolution"),
     ("llama4_text", "chunked-attention"),
-    ("gpt2", "is not supported; supported: ['llama'"),
-    ("gemma3", "a multimodal wrapper: pass the model itself, or its decoder's type gemma3_text"),
+    ("t5", "is untested: easy_context/hf/model_types.py records"),
+    ("gemma3", "multimodal wrapper: pass the model itself, or its decoder's type gemma3_text"),
 ]
 
 

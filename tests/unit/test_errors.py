@@ -32,8 +32,10 @@ def test_length_not_divisible_names_length_and_multiple():
 def test_unknown_and_unbuilt_modes_and_model_types():
     with pytest.raises(ValueError, match="unknown parallel mode 'ring'.*zigzag_ring_attn"):
         apply_seq_parallel_monkey_patch("ring", "llama")
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported.*llama"):
-        apply_seq_parallel_monkey_patch(MODE, "gpt2")
+    with pytest.raises(ValueError, match="model type 't5' is untested: easy_context/hf/model_types.py records"):
+        apply_seq_parallel_monkey_patch(MODE, "t5")
+    with pytest.raises(ValueError, match="model type 'bloom' cannot run sequence parallel: attention outside"):
+        apply_seq_parallel_monkey_patch(MODE, "bloom")
     with pytest.raises(TypeError, match="unknown option"):
         apply_seq_parallel_monkey_patch(MODE, "llama", ring_dgree=2)
 

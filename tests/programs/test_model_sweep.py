@@ -1,0 +1,89 @@
+"""tools/sweep_models.py holds easy_context/hf/model_types.py's record to what the installed
+transformers does: every supported type exact in each mode family at 2 ranks, every refused type
+refused for its recorded reason or still not exact. The rules of that comparison are checked
+here in one process; the sweep itself runs in CI (about a minute on 2 cores)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from easy_context.hf import model_types
+from tools import sweep_models
+
+ROOT = Path(__file__).resolve().parents[2]
+GOAL = 70  # issue 41: at least 70 model types exact in every mode
+
+
+@pytest.mark.timeout(900)
+def test_the_sweep_proves_the_record(tmp_path):
+    out = tmp_path / "sweep.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.sweep_models", "--check", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0, tail
+    found = json.loads(out.read_text())
+    exact = sorted(t for t, (cls, _) in found.items() if cls == "exact")
+    print(f"{len(exact)} exact of {len(found)}")
+    assert len(exact) >= GOAL and set(exact) <= set(model_types.SUPPORTED), tail
+
+
+def test_a_type_that_changes_class_is_a_mismatch():
+    """A supported type that stops being exact, a refused one that becomes exact, a static reason
+    other than the recorded one, and an unknown type, each against the record."""
+    found = {
+        "llama": ("failing", "not exact: logits 3.0e-02"),
+        "doge": ("exact", "logits 1e-7"),
+        "bart": ("refused", f"{model_types.OUTSIDE_REGISTRY}: BartForCausalLM computes attention itself"),
+        "mistral": ("exact", "logits 1e-7"),
+        "qwen3_next": ("refused", f"{model_types.HYBRID}: linear_attention"),
+        "brand_new": ("exact", "logits 1e-7"),
+        "brand_new_refused": ("refused", f"{model_types.ENCODER_DECODER}: new"),
+    }
+    problems = sweep_models.mismatches(found)
+    assert [p.split(":")[0] for p in problems] == ["llama", "doge", "bart", "brand_new"], problems
+    assert "move it to SUPPORTED" in problems[1] and "not in the record" in problems[3]
+    assert [p.split(":")[0] for p in sweep_models.mismatches(found, strict=True)][-1] == "brand_new_refused"
+
+
+def test_every_recorded_reason_starts_with_a_category_and_no_type_is_in_both():
+    assert not set(model_types.SUPPORTED) & set(model_types.REFUSED)
+    for model_type, reason in model_types.REFUSED.items():
+        assert reason.startswith(tuple(f"{c}: " for c in model_types.REFUSAL_CATEGORIES)), (model_type, reason)
+
+
+def test_the_bounds_hold_a_model_to_what_fp32_gives_it():
+    """Relative to the one-process fp32 run, the architecture tests' bounds; where that run is
+    itself further from the fp64 truth (an ill-conditioned or zero gradient), twice its own
+    error. A real error fails either way."""
+    import torch
+
+    logits, big, small = torch.ones(2, 3), torch.full((4,), 1e-3), torch.full((4,), 1e-5)
+    truth = (logits, 1.0, {"big": big, "small": small})
+    one_process = (logits, 1.0, {"big": big, "small": small * (1 + 1.5e-4)})  # DiffLlama's lambdas
+    ours = (logits, 1.0, {"big": big, "small": small * (1 - 2.5e-4)})
+    assert sweep_models._errors(ours, one_process, truth)[3] <= 1.0
+    assert sweep_models._errors(ours, one_process, None)[3] > 1.0  # without the truth: the fixed bound
+    wrong = (logits, 1.0, {"big": big * 1.01, "small": small})
+    assert sweep_models._errors(wrong, one_process, truth)[3] > 1.0
+    zero = (logits, 1.0, {"big": big, "small": torch.zeros(4)})  # OPT's key bias: zero in exact arithmetic
+    noise = (logits, 1.0, {"big": big, "small": torch.full((4,), 3e-11)})
+    assert sweep_models._errors(noise, (logits, 1.0, {"big": big, "small": torch.full((4,), 2e-11)}), zero)[3] <= 1
+
+
+def test_the_docs_sweep_table_agrees_with_the_record():
+    """docs/model_types.md shows a sweep's table; a type whose record changed without the table
+    (or the other way round) is stale."""
+    text = (ROOT / "docs" / "model_types.md").read_text()
+    block = text.split("<!-- sweep:begin -->\n", 1)[1].split("\n<!-- sweep:end -->", 1)[0]
+    rows = {line.split("`")[1]: line.split("|")[2].strip() for line in block.splitlines() if line.startswith("| `")}
+    assert set(rows) == set(model_types.SUPPORTED) | set(model_types.REFUSED)
+    stale = [t for t, cls in rows.items() if (cls == "exact") != (t in model_types.SUPPORTED)]
+    assert not stale, f"docs/model_types.md's sweep table is stale for {stale}: paste python -m tools.sweep_models"

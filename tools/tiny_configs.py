@@ -1,0 +1,112 @@
+"""A tiny config of any causal-LM model type, from the type's own config class.
+
+    tiny_config("olmo3")                 # 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 128
+    tiny_config("gemma3_text", seed=...)
+
+The sizes are shrunk field by field where the config has the field (`SIZES`), mixture-of-experts
+and low-rank fields by name (`_shrink_by_name`), dropouts set to 0, and whatever a family
+needs beyond that is in `OVERRIDES`. What a family adds to attention stays active at the sweep's
+length: sliding windows of `WINDOW` tokens, its layer kinds (one layer of each, in the
+default pattern's order), sinks, softcaps, MLA dims.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+VOCAB = 128
+WINDOW = 40  # shorter than the sweep's sequence, so a window changes the result
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# Multi-head latent attention (DeepSeek-V2/V3 and their kin): a value head dim of its own
+_MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    qk_head_dim=24,
+    v_head_dim=12,
+    head_dim=8,
+)
+# Per family: what the generic shrinking cannot know (consistent MLA dims, fields whose names
+# say nothing, features switched off by default that the sweep should see).
+_PER_LAYER_INPUT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
+OVERRIDES: dict[str, dict] = {
+    "codegen": dict(rotary_dim=8),
+    "gptj": dict(rotary_dim=8),
+    "ctrl": dict(dff=96),
+    "deepseek_v2": dict(num_experts_per_tok=2, n_group=1, topk_group=1),
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),
+    "gemma3n_text": dict(**_PER_LAYER_INPUT, num_kv_shared_layers=0, laurel_rank=8),
+    "gemma4_text": dict(**_PER_LAYER_INPUT, per_layer_config={"01": {"head_dim": 32}}),
+    # a looped middle: input, recurrent (run twice) and output blocks of one layer each
+    "dory": dict(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_hidden_layers=3,
+        n_input_layers=1,
+        n_recurrent_layers=1,
+        n_output_layers=1,
+    ),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+}
+
+
+def _shrink_by_name(name: str, value):
+    """Mixture-of-experts, low-rank and per-part sizes, recognised by their field names."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and ("dropout" in name or name.endswith("_pdrop") or "jitter" in name):
+            return 0.0
+        return value
+    if name in SIZES:
+        return value
+    if "per_tok" in name or name in ("moe_topk", "top_k", "num_experts_per_token", "router_top_k"):
+        return min(value, 2)
+    if "expert" in name and value > 4:
+        return 4
+    if name.endswith("intermediate_size") or "ffn_dim" in name or "ffn_hidden_size" in name:
+        return min(value, 32)
+    if name in ("moe_k", "moe_top_k", "n_activated_experts") or name.endswith("topk"):
+        return min(value, 2)
+    if name.endswith("lora_rank"):
+        return min(value, 32)
+    if name in ("n_group", "topk_group", "first_k_dense_replace"):
+        return min(value, 1)
+    return value
+
+
+def tiny_config(model_type: str, **extra):
+    """The config of `model_type` at tiny sizes (see the module docstring)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        defaults = CONFIG_MAPPING[model_type](**OVERRIDES.get(model_type, {}))
+        fields = {k: v for k, v in defaults.to_dict().items() if not k.startswith("_")}
+        kwargs = {k: v for k, v in SIZES.items() if k in fields or k in getattr(defaults, "attribute_map", {})}
+        kwargs.update({k: _shrink_by_name(k, v) for k, v in fields.items() if k not in SIZES})
+        kwargs = {k: v for k, v in kwargs.items() if fields.get(k) != v or k in SIZES}
+        if "qk_rope_head_dim" in fields:  # MLA: consistent low-rank and head dims, no GQA
+            kwargs.update({k: v for k, v in _MLA.items() if k in fields or k == "head_dim"})
+        if fields.get("sliding_window") is not None:
+            kwargs["sliding_window"] = WINDOW
+        layer_types = fields.get("layer_types")
+        if layer_types:
+            kinds = list(dict.fromkeys(layer_types))
+            kwargs["layer_types"] = kinds if len(kinds) > 1 else kinds * 2
+            kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
+        kwargs.update(OVERRIDES.get(model_type, {}))
+        kwargs.update(extra)
+        return AutoConfig.for_model(model_type, **kwargs)
