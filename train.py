@@ -39,7 +39,7 @@ from easy_context.hf.architectures import check_training_config
 from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
 from easy_context.programs import fsdp
-from easy_context.programs.checkpointing import CheckpointError, Checkpoints, resolve_resume
+from easy_context.programs.checkpointing import CheckpointError, Checkpoints
 from easy_context.programs.data import (
     BYTE_EOS_ID,
     StreamedRows,
@@ -214,7 +214,12 @@ def parse_args(argv=None):
         help="skip up to K steps whose loss is inf/NaN, counted over the whole run (resumes included); "
         "default 0: stop at the first, after saving a checkpoint",
     )
-    p.add_argument("--resume-from-checkpoint", default=None, help="a checkpoint folder, or 'latest' in --output-dir")
+    p.add_argument(
+        "--resume-from-checkpoint",
+        default=None,
+        help="a checkpoint folder; 'latest' in --output-dir; or 'auto': the newest whole one there, else start "
+        "(the same command for the first attempt and every restart under torchrun --max-restarts)",
+    )
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--wandb", default=None, metavar="PROJECT", help="log to Weights & Biases (project name)")
     p.add_argument(
@@ -649,15 +654,19 @@ def build_optimizer(run: Run, trainable):
 # ------------------------------------------------------------------------------- resume
 def resume_run(run: Run, checkpoints: Checkpoints) -> tuple[int, int, bool]:
     """(step, skipped steps, resumed): where --resume-from-checkpoint left off, or the start."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restarts of this job
     try:
-        path = resolve_resume(run.args.resume_from_checkpoint, run.args.output_dir)
+        run.stage.at("finding the checkpoint to resume")
+        path = checkpoints.find(run.args.resume_from_checkpoint)
         if path is None:
+            if attempt:
+                run.accelerator.print(f"restart {attempt}: no checkpoint to resume, starting at step 0")
             return 0, 0, False
         run.stage.at(f"resuming from {path}")
         step, skipped = checkpoints.resume(path)
     except CheckpointError as error:
         fail(str(error))
-    run.accelerator.print(f"resumed from {path} at step {step}")
+    run.accelerator.print(f"{f'restart {attempt}: ' if attempt else ''}resumed from {path} at step {step}")
     return step, skipped, True
 
 

@@ -63,6 +63,7 @@ SLOW = {
     },
     "test_fsdp": ALL,
     "test_train_fsdp": ALL,
+    "test_elastic": ALL,
     "test_eval": {
         "test_eval_needle_parallel_equals_single_process_and_writes_the_grid",
         "test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun",

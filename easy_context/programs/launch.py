@@ -124,6 +124,8 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
 
     init = {} if dist_timeout is None else {"timeout": datetime.timedelta(seconds=dist_timeout)}
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        _init_process_group_for_this_attempt(init.get("timeout"))
     if launched and not _has_accelerator():
         if _deepspeed_requested(kwargs):
             init["backend"] = "gloo"
@@ -138,6 +140,39 @@ def make_accelerator(dist_timeout: float | None = None, **kwargs):
             "(DistributedType.NO): gradients would never be averaged"
         )
     return accelerator
+
+
+def _init_process_group_for_this_attempt(timeout) -> None:
+    """The default process group, over a store whose keys belong to this attempt of torchrun.
+
+    Why not accelerate's (env://) initialisation: torchrun's agent keeps one TCPStore for all
+    attempts (measured with torch 2.13: MASTER_PORT is the same on every restart, although
+    torch's rendezvous assumes a fresh store per attempt and adds no prefix). A restarted
+    rank then reads the addresses the dead attempt's ranks published and gloo fails in
+    connectFullMesh ("Connection refused"), or NCCL reads a stale unique id and hangs. Keys
+    under "attempt_<TORCHELASTIC_RESTART_COUNT>/" are this attempt's only; accelerate (and
+    DeepSpeed) then use the group as it is. Every group made later (ours included) goes
+    through this store."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else None if _has_accelerator() else "gloo"
+    if dist.is_initialized() or backend is None:  # another device: accelerate's own initialisation
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timeout or datetime.timedelta(minutes=30)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # else rank 0 hosts it
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_store,
+    )
+    store = dist.PrefixStore(f"easy_context/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    if backend == "nccl":  # not run here (one GPU cannot hold two NCCL ranks): bind the device first
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _has_accelerator() -> bool:
@@ -312,10 +347,15 @@ def injected_fault(point: str, step: int, rank: int) -> str | None:
     """For the tests of failure paths: EASY_CONTEXT_FAULT="point@step:rank[:value]" makes
     `point` fire at that step on that rank (returns value, or "" when none is given).
     Points in train.py: hang (sleep value seconds before the forward), die_in_save (the
-    process dies after writing its part of the checkpoint), nonfinite_loss (in micro-batch
-    `value` of the step, or in all of them)."""
+    process dies after writing its part of the checkpoint), pause_in_save (sleeps value
+    seconds there: a kill from outside lands inside the save), disk_full_in_save (ENOSPC
+    there), nonfinite_loss (in micro-batch `value` of the step, or in all of them). With
+    EASY_CONTEXT_FAULT_ATTEMPT=n the fault fires only in torchrun's attempt n (0: the first)."""
     spec = os.environ.get("EASY_CONTEXT_FAULT")
     if not spec or "@" not in spec:
+        return None
+    attempt = os.environ.get("EASY_CONTEXT_FAULT_ATTEMPT")
+    if attempt is not None and attempt != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
         return None
     name, _, where = spec.partition("@")
     fields = where.split(":")

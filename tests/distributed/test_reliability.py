@@ -1,5 +1,6 @@
 """Failure paths of train.py under torchrun (gloo): a stuck rank is bounded by --dist-timeout,
-a save killed midway never becomes `latest`, a non-finite loss stops training (or is skipped),
+a save killed midway never becomes `latest`, a full disk in a save stops every rank with one
+line, a non-finite loss stops training (or is skipped),
 and our process groups inherit the script's timeout. Failures are made deterministic with
 EASY_CONTEXT_FAULT (easy_context.programs.launch.injected_fault)."""
 
@@ -91,6 +92,28 @@ def test_a_save_killed_midway_resumes_from_the_previous_checkpoint_exactly(tmp_p
     assert [e["loss"] for e in log(killed)[-4:]] == want[2:]  # steps 3-6, bit for bit
     assert same_tensors(load_file(straight / "model.safetensors"), load_file(killed / "model.safetensors"))
     assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-4"]  # partial cleaned, limit kept
+
+
+@pytest.mark.timeout(600)
+def test_a_full_disk_in_a_save_stops_every_rank_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 1's disk fills while it writes checkpoint-4: every rank stops with the same line
+    (no rank left waiting), nothing is pruned, checkpoint-2 stays whole, and the same command
+    with --resume-from-checkpoint auto continues from it to the uninterrupted run's weights."""
+    flags = ["--max-train-steps", "6", "--checkpointing-steps", "2", "--save-total-limit", "1"]
+    straight = tmp_path / "straight"
+    assert torchrun(straight, *flags).returncode == 0
+    out = tmp_path / "full"
+    result = torchrun(out, *flags, fault="disk_full_in_save@4:1")
+    assert result.returncode != 0
+    message = (
+        "train.py: error: step 4 (checkpoint save): checkpoint-4 was not saved (rank 1: [Errno 28] No space left on "
+        f"device: '{out / 'checkpoint-4.partial' / 'model.safetensors'}'); checkpoint-2 is as it was. Free the space"
+    )
+    assert result.stderr.count(message) == 2 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4.partial"]
+    result = torchrun(out, *flags, "--resume-from-checkpoint", "auto")
+    assert result.returncode == 0 and f"resumed from {out / 'checkpoint-2'} at step 2" in result.stdout
+    assert same_tensors(load_file(straight / "model.safetensors"), load_file(out / "model.safetensors"))
 
 
 @pytest.mark.timeout(600)
