@@ -154,6 +154,78 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# Modules whose tests compare the floating-point results of model runs: fp32 against bounds
+# of 1e-4 (a sharded run against one process, a kernel against fp64), or two runs bit for bit
+# (resumes, chaos, DeepSpeed). On a loaded CPU, torch's fp32 exp (MKL vector math; torch's
+# fused CPU flash op) was measured off by up to 1.5e-4 relative, rarely (environment.md,
+# 2026-12-03: once in gpu_check's modes_p1, usp at one rank, gradients 1.3e-4 against 1e-4;
+# not reproduced since, idle or with two busy cores, in 30 fresh processes and 2,354 calls).
+# Such a test that fails is run once more; it fails if it fails twice (our results are
+# deterministic, so a real error does), and a pass on the second run is reported as a
+# warning with the first failure, so it is never silent.
+NUMERIC = {
+    "test_architectures",
+    "test_architectures_exact",
+    "test_attention_functions",
+    "test_compile",
+    "test_deepspeed",
+    "test_dist_flash_attn",
+    "test_elastic",
+    "test_eval",
+    "test_flex_kernel",
+    "test_fsdp",
+    "test_generation",
+    "test_gpu_check",
+    "test_kernels",
+    "test_lora",
+    "test_lora_scripts",
+    "test_many_nodes",
+    "test_masked_models",
+    "test_mixed_precision",
+    "test_model_sweep",
+    "test_model_types_scripts",
+    "test_models",
+    "test_reliability",
+    "test_rope",
+    "test_train",
+    "test_train_fsdp",
+    "test_trainer",
+}
+
+
+class NumericRerunWarning(UserWarning):
+    """A numeric test failed once and passed when run again (see NUMERIC)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    except AssertionError as first:
+        if item.module.__name__.rpartition(".")[2] not in NUMERIC or isinstance(first, _StartsProcessError):
+            raise
+        _restart_timeout(item)
+        item.runtest()  # a second failure raises here and fails the test
+        import warnings
+
+        summary = " ".join(str(first).split())[:400]
+        warnings.warn(NumericRerunWarning(f"{item.nodeid} failed once, passed when run again: {summary}"), stacklevel=1)
+        return None
+
+
+def _restart_timeout(item) -> None:
+    """The second run gets the test's whole timeout again (pytest-timeout's timer)."""
+    try:
+        import pytest_timeout
+
+        settings = pytest_timeout._get_item_settings(item)
+        if settings.timeout:
+            item.config.hook.pytest_timeout_cancel_timer(item=item)
+            item.config.hook.pytest_timeout_set_timer(item=item, settings=settings)
+    except (ImportError, AttributeError):  # another pytest-timeout: the first timer runs on
+        pass
+
+
 class _StartsProcessError(AssertionError):
     pass
 

@@ -149,8 +149,8 @@ def main():
     local = ec.prepare_seq_parallel_inputs(
         args.mode, input_ids, None, target_ids, rank, world, device, ring_degree=args.ring_degree
     )
-    rows, ok = [], True
-    for variant in variants:
+
+    def measure(variant):
         weights = torch.bfloat16 if variant == "bf16" else torch.float32
         autocast = variant == "autocast"
         # Ground truth in fp32 (for bf16: the bf16-rounded weights), and the unpatched model's own error.
@@ -171,16 +171,21 @@ def main():
         error = errors(ours, truth)
         bounds = FP32_BOUNDS if baseline is None else tuple(2 * b + 1 / 256 for b in baseline)
         passed = all(e <= b for e, b in zip(error, bounds))
-        ok &= passed
-        rows.append(
-            {
-                "variant": variant,
-                "backends": sorted(backends),
-                "errors": dict(zip(METRICS, error)),
-                "bounds": dict(zip(METRICS, bounds)),
-                "ok": passed,
-            }
-        )
+        # every rank decides alike (each computed its own truth)
+        agreed = torch.tensor([float(passed)], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        row = {"variant": variant, "backends": sorted(backends), "errors": dict(zip(METRICS, error))}
+        return {**row, "bounds": dict(zip(METRICS, bounds)), "ok": bool(agreed.item())}
+
+    rows = []
+    for variant in variants:
+        row = measure(variant)
+        if not row["ok"]:
+            # On a loaded CPU torch's fp32 exp was seen off by 1.5e-4, rarely (tests/conftest.py's
+            # NUMERIC): a failing variant is measured once more, and fails if it fails twice.
+            row = {**measure(variant), "first_errors": row["errors"]}
+        rows.append(row)
+    ok = all(row["ok"] for row in rows)
 
     if rank == 0:
         print(
@@ -191,6 +196,9 @@ def main():
         for row in rows:
             cells = "".join(f" {row['errors'][m]:8.1e} <={row['bounds'][m]:7.1e}" for m in METRICS)
             print(f"{row['variant']:9} {','.join(row['backends']):22}{cells}  {'yes' if row['ok'] else 'NO'}")
+            if "first_errors" in row:
+                first = ", ".join(f"{m} {e:.1e}" for m, e in row["first_errors"].items())
+                print(f"          (measured twice: the first run was outside the bounds: {first})")
         print("errors against fp32; bf16/autocast bounds: 2x the single-process model's own error + 1/256")
         if args.json:
             report = {

@@ -389,6 +389,12 @@ def sweep(types: list[str], world_size: int = 2, echo=print) -> tuple[dict, dict
             found[model_type] = ("refused", reason)
     echo(f"{len(found)} types refused from their code and config; running {len(dynamic)} on {world_size} ranks")
     ran = run_dynamic(dynamic, world_size, echo=echo)
+    # On a loaded CPU torch's fp32 exp was seen off by 1.5e-4, rarely (tests/conftest.py's
+    # NUMERIC): a type that ran but was not exact runs once more, and fails if it fails twice.
+    again = [t for t, modes in ran.items() if classify(t, modes)[1].startswith("not exact")]
+    if again:
+        echo(f"running {again} once more (not exact on the first run)")
+        ran.update(run_dynamic(again, world_size, echo=echo))
     for model_type, modes in ran.items():
         found[model_type] = classify(model_type, modes)
     return dict(sorted(found.items())), ran
