@@ -92,6 +92,7 @@ SLOW = {
     "test_nodes": {
         "test_ranks_that_derive_different_splits_are_refused_on_every_rank",
     },
+    "test_hybrids": ALL,
     "test_lora": ALL,
     "test_lora_scripts": ALL,
     "test_masked_models": ALL,
@@ -176,6 +177,7 @@ NUMERIC = {
     "test_fsdp",
     "test_generation",
     "test_gpu_check",
+    "test_hybrids",
     "test_kernels",
     "test_lora",
     "test_lora_scripts",

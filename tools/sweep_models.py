@@ -9,7 +9,8 @@
 
 Each type is one of:
 - exact: its tiny model (tools/tiny_configs.py), patched, on 2 gloo ranks, in each mode family
-  (zigzag ring, Ulysses, the LightSeq schedule), gives the unpatched single-process model's
+  (zigzag ring, Ulysses, the LightSeq schedule; a hybrid's recurrent layers under both mixer
+  strategies, state passing and head exchange), gives the unpatched single-process model's
   logits, loss and every parameter gradient, within the bounds of the architecture tests;
 - refused: for a reason found without running it (`STATIC_REASONS`: encoder-decoder, encoder,
   multimodal wrapper, attention outside the registry, layers that are not attention), or
@@ -67,6 +68,7 @@ def static_reason(model_type: str) -> str | None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from easy_context.hf import architectures
+    from easy_context.hf import mixers as hf_mixers
 
     try:
         cls = causal_lm_class(model_type)
@@ -90,9 +92,11 @@ def static_reason(model_type: str) -> str | None:
     if unimplemented:
         return f"{architectures.NOT_IMPLEMENTED}: {unimplemented}"
     mixers = architectures.sequence_mixers(cls, config)
-    if mixers:
-        return f"{architectures.HYBRID}: {', '.join(mixers)}"
-    if "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(sys.modules[cls.__module__]):
+    module = sys.modules[cls.__module__]
+    if mixers and not hf_mixers.covers(module):
+        unsupported = hf_mixers.unsupported_mixers(module)
+        return f"{architectures.HYBRID}: {', '.join(unsupported or mixers)}"
+    if "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(module) and not hf_mixers.covers(module):
         return f"{architectures.OUTSIDE_REGISTRY}: {cls.__name__} computes attention itself"
     return None
 
@@ -203,6 +207,13 @@ def features(model) -> list[str]:
         "embed_positions" in n or "wpe" in n for n in names
     ):
         found.append("learned absolute positions")
+    module = sys.modules[type(model).__module__]
+    if hasattr(module, "mamba2_scan_forward"):
+        found.append("Mamba-2 layers")
+    elif hasattr(module, "torch_chunk_gated_delta_rule"):
+        found.append("Gated DeltaNet layers")
+    elif any(name.endswith(("ShortConv", "ShortConvolution")) for name in vars(module)):
+        found.append("short convolution layers")
     return found
 
 
@@ -242,6 +253,8 @@ def run_type(model_type: str, rank: int, world_size: int) -> dict:
         remove_seq_parallel_monkey_patch,
     )
     from easy_context.hf import active_patch
+    from easy_context.hf import mixers as hf_mixers
+    from easy_context.mixers import STRATEGIES
 
     input_ids, target_ids = _batch()
     try:  # on every rank, so that every rank stops here alike when the model cannot run at all
@@ -255,21 +268,25 @@ def run_type(model_type: str, rank: int, world_size: int) -> dict:
     except Exception:  # noqa: BLE001 - a model that cannot run in fp64 is held to the fixed bounds
         truth = None
     results = {"_features": features(model)}
-    for mode in MODES:
+    scans = hf_mixers.has_scans(sys.modules[type(model).__module__])
+    # a hybrid's recurrent layers under each strategy (mixers/): every mode runs both
+    runs = [(mode, strategy) for mode in MODES for strategy in (STRATEGIES if scans else (None,))]
+    for mode, strategy in runs:
+        key = mode if strategy is None else f"{mode}+{strategy}"
         try:
             with admitted(model.config.model_type):
                 patched = copy.deepcopy(model)
-                apply_seq_parallel_monkey_patch(mode, patched)
+                apply_seq_parallel_monkey_patch(mode, patched, mixer_strategy=strategy)
                 group = active_patch().groups().sp
                 local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
                 got = _step(
                     patched, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], group
                 )
                 logits = gather_seq_parallel_outputs(mode, got[0])
-                results[mode] = list(_errors((logits, *got[1:]), want, truth))
+                results[key] = list(_errors((logits, *got[1:]), want, truth))
         except Exception as error:  # noqa: BLE001
             refusal = _refusal(error)
-            results[mode] = {"refused": refusal} if refusal else {"error": f"{type(error).__name__}: {error}"}
+            results[key] = {"refused": refusal} if refusal else {"error": f"{type(error).__name__}: {error}"}
         finally:
             remove_seq_parallel_monkey_patch()
     return results

@@ -40,6 +40,22 @@ _MLA = dict(
     v_head_dim=12,
     head_dim=8,
 )
+# Mamba-2 layers, under each family's names: 8 heads of 16 (expand 2 x hidden 64), groups of 2
+# heads' B/C... except where the family's default is one group (Bamba, Falcon-H1, Granite 4,
+# Zamba2: kept, the case that head exchange serves by replicating B and C), chunks of 32 (so
+# a run of 64 tokens spans two), states of 16.
+_MAMBA = dict(
+    mamba_n_heads=8,
+    mamba_num_heads=8,
+    n_mamba_heads=8,
+    mamba_d_head=16,
+    mamba_head_dim=16,
+    mamba_headdim=16,
+    mamba_d_ssm=128,
+    mamba_d_state=16,
+    ssm_state_size=16,
+    mamba_chunk_size=32,
+)
 # Per family: what the generic shrinking cannot know (consistent MLA dims, fields whose names
 # say nothing, features switched off by default that the sweep should see).
 _PER_LAYER_INPUT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
@@ -49,6 +65,7 @@ OVERRIDES: dict[str, dict] = {
     "ctrl": dict(dff=96),
     "deepseek_v2": dict(num_experts_per_tok=2, n_group=1, topk_group=1),
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),
+    "nemotron_h": dict(chunk_size=32, n_groups=2),
     "gemma3n_text": dict(**_PER_LAYER_INPUT, num_kv_shared_layers=0, laurel_rank=8),
     "gemma4_text": dict(**_PER_LAYER_INPUT, per_layer_config={"01": {"head_dim": 32}}),
     # a looped middle: input, recurrent (run twice) and output blocks of one layer each
@@ -60,6 +77,10 @@ OVERRIDES: dict[str, dict] = {
         n_output_layers=1,
     ),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    # hybrids whose layer kinds the generic shrinking does not see (an aliased field, or none by default)
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], num_hidden_layers=2),
+    "mamba2": dict(hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, num_dense_layers=1),
 }
 
 
@@ -98,6 +119,7 @@ def tiny_config(model_type: str, **extra):
         kwargs = {k: v for k, v in SIZES.items() if k in fields or k in getattr(defaults, "attribute_map", {})}
         kwargs.update({k: _shrink_by_name(k, v) for k, v in fields.items() if k not in SIZES})
         kwargs = {k: v for k, v in kwargs.items() if fields.get(k) != v or k in SIZES}
+        kwargs.update({k: v for k, v in _MAMBA.items() if k in fields})
         if "qk_rope_head_dim" in fields:  # MLA: consistent low-rank and head dims, no GQA
             kwargs.update({k: v for k, v in _MLA.items() if k in fields or k == "head_dim"})
         if fields.get("sliding_window") is not None:

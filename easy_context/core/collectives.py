@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "rank", "all_gather", "fingerprint", "check_same"]
+__all__ = ["world_size", "rank", "all_gather", "all_gather_with_grad", "fingerprint", "check_same"]
 
 
 def world_size() -> int:
@@ -30,6 +30,30 @@ def all_gather(local: torch.Tensor, group) -> list:
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pieces, local, group=group)
     return pieces
+
+
+class _AllGather(torch.autograd.Function):
+    """(P, *x.shape): every rank's x. The backward sends each rank its slice of this rank's
+    gradient (an all-to-all, the reduce-scatter an all-gather's gradient is) and sums what
+    arrives: each direction sends (P - 1) x the bytes of x. Both directions send contiguous
+    tensors (gloo silently corrupts some strided ones)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.stack(all_gather(x, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        received = torch.empty_like(grad)
+        dist.all_to_all_single(received, grad, group=ctx.group)
+        return received.sum(dim=0), None
+
+
+def all_gather_with_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """(P, *x.shape): every rank's `x` in group rank order, differentiable (x[None] without a group)."""
+    return x[None] if group is None else _AllGather.apply(x, group)
 
 
 def fingerprint(x: torch.Tensor | None, device) -> torch.Tensor:

@@ -9,10 +9,10 @@ logits head, and the README's tables.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
+from easy_context.hf import mixers
 from easy_context.hf.model_types import (  # noqa: F401  (the record; its categories are re-exported)
     ENCODER,
     ENCODER_DECODER,
@@ -26,6 +26,7 @@ from easy_context.hf.model_types import (  # noqa: F401  (the record; its catego
     SUPPORTED,
     UNTESTED,
 )
+from easy_context.hf.modeling import modeling_module  # noqa: F401  (re-exported)
 
 __all__ = [
     "SUPPORTED",
@@ -139,7 +140,7 @@ def check_config_features(config) -> None:
             f"{_UNIMPLEMENTED_LAYER_TYPES[unimplemented[0]]} is {NOT_IMPLEMENTED} under sequence parallelism"
         )
     other = sorted(kinds - _ATTENTION_LAYER_TYPES - _TOKEN_WISE_LAYER_TYPES)
-    if other:
+    if other and not mixers.covers(modeling_module(config.model_type)):
         raise ValueError(
             f"model type {config.model_type!r} has layers of type {other}: sequence parallelism splits only "
             f"attention layers ({sorted(_ATTENTION_LAYER_TYPES)}) and layers that do not mix tokens "
@@ -151,18 +152,6 @@ def check_config_features(config) -> None:
             f"model type {config.model_type!r} uses rope type {unproven}, which sequence parallelism has not been "
             f"proven exact with; proven: {sorted(PROVEN_ROPE_TYPES)}"
         )
-
-
-@functools.cache
-def modeling_module(model_type: str):
-    """transformers' modeling module of a model type (None where it has none)."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    name = model_type_to_module_name(model_type)
-    try:
-        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    except ImportError:
-        return None
 
 
 def check_model_type(model_type: str) -> None:

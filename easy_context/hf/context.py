@@ -23,6 +23,7 @@ from easy_context.core.global_mask import check_padding
 from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get_groups, ranks_per_node
 from easy_context.core.layout import RowLayout
 from easy_context.hf import architectures, patch, replicas
+from easy_context.mixers import STRATEGIES
 from easy_context.modes import SeqParallelMode, get_mode, modes_with
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
     "placement_of",
 ]
 
-OPTIONS = ("sp_size", "ring_degree", "document_split")
+OPTIONS = ("sp_size", "ring_degree", "document_split", "mixer_strategy")
 SHARD_KEYS = ("local_input_ids", "local_position_ids", "local_target_ids", "local_attention_mask")
 
 
@@ -47,18 +48,30 @@ def check_option_names(where: str, options: dict) -> None:
 
 
 class SequenceParallel:
-    """A mode with its options (sp_size, ring_degree, document_split; None: the default) and the
+    """A mode with its options (sp_size, ring_degree, document_split, mixer_strategy; None: the default) and the
     model types it patches. The topology follows the world size of the call (the world may be
     initialised after the patch is applied), the launcher's ranks per node and the model's heads
     (`heads`: (query heads, key/value heads), None where unknown), which a mode's default split
     may follow; groups are created once per topology."""
 
     def __init__(
-        self, mode, model_types=frozenset(), sp_size=None, ring_degree=None, document_split=None, *, heads=(None, None)
+        self,
+        mode,
+        model_types=frozenset(),
+        sp_size=None,
+        ring_degree=None,
+        document_split=None,
+        mixer_strategy=None,
+        *,
+        heads=(None, None),
     ):
         self.mode: SeqParallelMode = mode if isinstance(mode, SeqParallelMode) else get_mode(mode)
         self.model_types = frozenset(model_types)
         self.sp_size, self.ring_degree, self.document_split = sp_size, ring_degree, document_split
+        # hybrid layers' strategy (mixers/): None or "auto", "state_passing", "head_exchange"
+        if mixer_strategy not in (None, "auto", *STRATEGIES):
+            raise ValueError(f"mixer_strategy={mixer_strategy!r} is not one of {['auto', *STRATEGIES]}")
+        self.mixer_strategy = mixer_strategy
         self.heads = tuple(heads)
         self.decoding = None  # generation's ShardedKVCache while it decodes: attention goes to the cache
         # while generation prefills S - 1 prompt tokens: the prompt's last position (a tensor),

@@ -22,7 +22,7 @@ import torch
 
 from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
-from easy_context.hf.architectures import model_types_of
+from easy_context.hf.architectures import model_types_of, sequence_mixers
 from easy_context.hf.context import OPTIONS, active, context_for, setup
 from easy_context.hf.sharded_cache import ShardedKVCache, kv_bytes
 from easy_context.versions import cache_keyword
@@ -70,6 +70,13 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.T
     kwargs["use_cache"] = True
     if not context.sequence_parallel:  # data_parallel: each rank generates on its own
         return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    mixers = sequence_mixers(type(model), model.config.get_text_config())
+    if mixers:
+        raise ValueError(
+            f"generate: the model has layers besides attention ({', '.join(mixers)}); a sharded cache of their "
+            "recurrent and convolution states is not implemented: generate with model.generate in one process, "
+            "or with the data_parallel mode"
+        )
     context = _installed_for(context, model)
     groups = context.groups()
     input_ids, attention_mask = _checked_prompt(input_ids, attention_mask, model)

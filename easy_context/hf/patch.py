@@ -34,7 +34,7 @@ from easy_context.core.global_mask import gather_sequence_mask
 from easy_context.core.groups import SeqParallelGroups
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
-from easy_context.hf import admission, compiled, rope
+from easy_context.hf import admission, compiled, mixers, rope
 from easy_context.hf.replicas import check_replicas
 
 __all__ = ["SUPPORTED_IMPLEMENTATIONS", "ShardedMask", "install", "uninstall", "active"]
@@ -254,6 +254,7 @@ def install(context) -> None:
     _installed = context
     compiled.register(active)
     rope.install(context.model_types, active)
+    mixers.install(context.model_types, active)
     if _saved:  # dispatchers already in place; they read `_installed` at call time
         return
     attention_map = AttentionInterface._global_mapping
@@ -270,6 +271,7 @@ def uninstall() -> None:
     global _installed
     _installed = None
     rope.uninstall()
+    mixers.uninstall()
     for registry in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping):
         for name in list(registry):
             original = _saved.pop((id(registry), name), None)

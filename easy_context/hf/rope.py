@@ -29,7 +29,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from easy_context.hf.architectures import PROVEN_ROPE_TYPES, modeling_module
+from easy_context.hf.architectures import PROVEN_ROPE_TYPES
+from easy_context.hf.modeling import modeling_module
 
 __all__ = ["LENGTH_DEPENDENT", "length_dependent", "rotary_classes", "install", "uninstall"]
 

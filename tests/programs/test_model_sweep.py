@@ -43,7 +43,7 @@ def test_a_type_that_changes_class_is_a_mismatch():
         "doge": ("exact", "logits 1e-7"),
         "bart": ("refused", f"{model_types.OUTSIDE_REGISTRY}: BartForCausalLM computes attention itself"),
         "mistral": ("exact", "logits 1e-7"),
-        "qwen3_next": ("refused", f"{model_types.HYBRID}: linear_attention"),
+        "jamba": ("refused", f"{model_types.HYBRID}: Mamba (selective scan, Mamba-1)"),
         "brand_new": ("exact", "logits 1e-7"),
         "brand_new_refused": ("refused", f"{model_types.ENCODER_DECODER}: new"),
     }

@@ -1,0 +1,211 @@
+"""Hybrid models' sequence mixers under the patch: transformers' mixer seams, sequence parallel.
+
+transformers 5.25's hybrid layers call their convolution and scan through module-level
+functions it keeps replaceable (the seams its `kernelize` swaps): `causal_conv1d_forward`
+(every convolution), `mamba2_scan_forward` (Mamba-2's SSD; `mamba2_split_conv1d_scan_combined`
+is its fused training path, used only where mamba_ssm is installed) and
+`torch_chunk_gated_delta_rule` (Gated DeltaNet). While the patch is installed, for the model
+types it runs, those module globals are replaced by functions that, on a sharded forward, run
+mixers/families.py over this rank's runs, and otherwise call transformers' own. The fused path
+answers None under sequence parallelism, so the layer takes the seams.
+
+Which hybrids this covers is what `unsupported_mixers` says (the sweep runs the rest to prove
+them); generation (a cache), packed documents and document_split are refused for them, naming
+the limit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from easy_context.hf.modeling import modeling_module
+from easy_context.mixers import Sharding, choose_strategy, families
+from easy_context.mixers.costs import MixerShape
+
+__all__ = ["SEAMS", "covers", "has_scans", "install", "mixer_shapes", "uninstall", "unsupported_mixers"]
+
+# seam name -> the function that replaces it (built from the module's own)
+SEAMS = (
+    "causal_conv1d_forward",
+    "mamba2_scan_forward",
+    "mamba2_split_conv1d_scan_combined",
+    "torch_chunk_gated_delta_rule",
+)
+# seams of mixers no strategy here implements: a module that has one is refused
+UNSUPPORTED_SEAMS = {
+    "mamba_scan_forward": "Mamba (selective scan, Mamba-1)",
+    "mamba_selective_scan": "Mamba (selective scan, Mamba-1)",
+    "chunk_kimi_delta_attention": "Kimi Delta Attention",
+}
+
+_saved: dict[tuple, object] = {}  # (module, name) -> transformers' function
+_active = None  # callable returning the installed SequenceParallel
+
+
+def unsupported_mixers(module) -> list[str]:
+    """The mixers of a modeling module that no seam here covers."""
+    return sorted(what for name, what in UNSUPPORTED_SEAMS.items() if hasattr(module, name))
+
+
+def covers(module) -> bool:
+    """Whether the mixers of a modeling module run sequence parallel here: it calls them through
+    the seams, and has none that no strategy implements."""
+    return module is not None and any(hasattr(module, name) for name in SEAMS) and not unsupported_mixers(module)
+
+
+def has_scans(module) -> bool:
+    """Whether a modeling module has recurrent scans (which the two strategies run differently);
+    a convolution alone runs the same under both."""
+    return any(hasattr(module, name) for name in ("mamba2_scan_forward", "torch_chunk_gated_delta_rule"))
+
+
+def install(model_types, active) -> None:
+    global _active
+    _active = active
+    for model_type in model_types:
+        module = modeling_module(model_type)
+        for name in SEAMS:
+            if module is not None and hasattr(module, name) and (module, name) not in _saved:
+                _saved[(module, name)] = getattr(module, name)
+                setattr(module, name, _REPLACEMENTS[name](module, getattr(module, name)))
+
+
+def uninstall() -> None:
+    for (module, name), original in _saved.items():
+        setattr(module, name, original)
+    _saved.clear()
+
+
+def _sharding():
+    """This forward's Sharding and the installed context, or (None, None) where the forward is
+    not sharded (no patch, data_parallel, one rank)."""
+    context = _active() if _active is not None else None
+    if context is None or not context.sequence_parallel:
+        return None, None
+    groups = context.groups()
+    if groups.sp is None:
+        return None, None
+    if context.decoding is not None:
+        raise ValueError(
+            "generation with a sharded cache is not implemented for hybrid layers (recurrent and convolution "
+            "states); generate with model.generate on one process, or parallel_mode='data_parallel'"
+        )
+    if context.document_split:
+        raise ValueError("document_split is not implemented for hybrid layers; apply the patch without it")
+    return groups, context
+
+
+def _sharded(groups, context, local_len: int) -> Sharding:
+    layout = context.layout()
+    return Sharding(groups.sp, groups.sp_rank, layout, local_len * layout.size)
+
+
+def _conv_forward(module, original):
+    def causal_conv1d_forward(conv1d, hidden_states, cache, layer_idx, activation=None, state_idx=0, **kwargs):
+        groups, context = _sharding()
+        if groups is None:
+            return original(conv1d, hidden_states, cache, layer_idx, activation, state_idx, **kwargs)
+        _refuse_cache(cache)
+        sharding = _sharded(groups, context, hidden_states.shape[-1])
+        weight = conv1d.weight.squeeze(1)
+        conv = module.causal_conv1d_fn
+        return families.causal_conv(conv, hidden_states, weight, sharding, bias=conv1d.bias, activation=activation)
+
+    return causal_conv1d_forward
+
+
+def _mamba2_scan_forward(module, original):
+    def mamba2_scan_forward(mixer, hidden_states, B, C, dt, cache, **kwargs):
+        groups, context = _sharding()
+        if groups is None:
+            return original(mixer, hidden_states, B, C, dt, cache, **kwargs)
+        _refuse_cache(cache)
+        batch, local_len, _ = hidden_states.shape
+        sharding = _sharded(groups, context, local_len)
+        strategy = choose_strategy(context.mixer_strategy, mixer.num_heads, mixer.n_groups, sharding.size)
+        y = families.mamba2_scan(
+            module.mamba2_chunk_scan,
+            hidden_states.view(batch, local_len, mixer.num_heads, mixer.head_dim),
+            dt,
+            -torch.exp(mixer.A_log.float()),
+            B.view(batch, local_len, mixer.n_groups, mixer.ssm_state_size),
+            C.view(batch, local_len, mixer.n_groups, mixer.ssm_state_size),
+            sharding,
+            strategy,
+            chunk_size=mixer.chunk_size,
+            D=mixer.D,
+            dt_bias=mixer.dt_bias,
+            dt_limit=mixer.time_step_limit,
+        )
+        return y.reshape(batch, local_len, -1)
+
+    return mamba2_scan_forward
+
+
+def _fused_mamba2(module, original):
+    def mamba2_split_conv1d_scan_combined(*args, **kwargs):
+        groups, _ = _sharding()
+        # None: the layer takes its unfused path, through the seams above
+        return original(*args, **kwargs) if groups is None else None
+
+    return mamba2_split_conv1d_scan_combined
+
+
+def _gated_delta_rule(module, original):
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, *args, initial_state=None, **kwargs):
+        groups, context = _sharding()
+        if groups is None or initial_state is not None:
+            if groups is not None:
+                _refuse_cache(initial_state)
+            return original(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+        if args:
+            raise TypeError(f"torch_chunk_gated_delta_rule: unexpected positional arguments {len(args)}")
+        options = {k: kwargs[k] for k in ("chunk_size", "use_qk_l2norm_in_kernel") if k in kwargs}
+        sharding = _sharded(groups, context, query.shape[1])
+        # heads: the value heads; "groups": the query/key heads each serves several of
+        strategy = choose_strategy(context.mixer_strategy, value.shape[2], key.shape[2], sharding.size)
+        out, _ = families.gated_delta_rule(original, query, key, value, g, beta, sharding, strategy, **options)
+        return out, None
+
+    return torch_chunk_gated_delta_rule
+
+
+def _refuse_cache(cache) -> None:
+    if cache is not None:
+        raise ValueError(
+            "a cache in a sharded forward of a hybrid layer (generation) is not implemented; call the model with "
+            "use_cache=False"
+        )
+
+
+_REPLACEMENTS = {
+    "causal_conv1d_forward": _conv_forward,
+    "mamba2_scan_forward": _mamba2_scan_forward,
+    "mamba2_split_conv1d_scan_combined": _fused_mamba2,
+    "torch_chunk_gated_delta_rule": _gated_delta_rule,
+}
+
+
+def mixer_shapes(model, batch: int, seq_len: int, sp_size: int, max_runs: int) -> list[MixerShape]:
+    """The MixerShape of each mixer layer of a model (mixers/costs.py declares their traffic),
+    read from the layers' own attributes: a Mamba-2 mixer, a gated delta rule layer, a short
+    convolution."""
+    shapes = []
+    dtype_bytes = next(model.parameters()).element_size()
+    common = dict(batch=batch, seq_len=seq_len, sp_size=sp_size, max_runs=max_runs, dtype_bytes=dtype_bytes)
+    for layer in model.modules():
+        conv = getattr(layer, "conv1d", None) or getattr(layer, "conv", None)
+        if not isinstance(conv, torch.nn.Conv1d) or conv.groups != conv.in_channels:
+            continue  # not a depthwise causal convolution of a mixer
+        convolution = dict(conv_channels=conv.in_channels, conv_width=conv.kernel_size[0] - 1)
+        if hasattr(layer, "ssm_state_size"):
+            scan = dict(scan="mamba2", heads=layer.num_heads, head_dim=layer.head_dim, state_dim=layer.ssm_state_size)
+            shapes.append(MixerShape(**common, **convolution, **scan, groups=layer.n_groups))
+        elif hasattr(layer, "head_k_dim"):
+            scan = dict(scan="gated_delta_rule", heads=layer.num_v_heads, head_dim=layer.head_v_dim)
+            shapes.append(
+                MixerShape(**common, **convolution, **scan, state_dim=layer.head_k_dim, groups=layer.num_k_heads)
+            )
+        else:
+            shapes.append(MixerShape(**common, **convolution))
+    return shapes

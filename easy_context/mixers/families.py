@@ -1,0 +1,134 @@
+"""Each mixer family sequence parallel, over the kernels transformers gives it.
+
+The kernels are passed in, with transformers' signatures (its torch paths take an initial state
+and return the final one; on CUDA the same entry points reach causal_conv1d, mamba_ssm or
+flash-linear-attention where installed), so the arithmetic of each family stays transformers'
+own and what is here is only how runs and heads are put together:
+
+- causal_conv: a depthwise causal convolution over (B, C, S); each run gets its halo.
+- mamba2_scan: Mamba-2's SSD scan (state (B, H, P, N), a scalar decay per head per token).
+- gated_delta_rule: the gated delta rule (state (B, H, dk, dv); each token's transition is a
+  dk x dk matrix, exp(g) (I - beta k k^T)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from easy_context.core.collectives import all_gather_with_grad
+from easy_context.core.exchange import heads_to_seq, seq_to_heads
+from easy_context.mixers import state_passing as passing
+
+__all__ = ["causal_conv", "mamba2_scan", "gated_delta_rule"]
+
+
+# ---------------------------------------------------------------- convolution
+def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, sharding, **kwargs) -> torch.Tensor:
+    """conv(x, weight, ...) on (B, C, S_local) as on the whole sequence: each run is convolved
+    after the last kernel - 1 inputs of the run before it (zeros before the first)."""
+    width = weight.shape[-1] - 1
+    runs = passing.split(x, sharding, dim=-1)
+    if width == 0:
+        return conv(x, weight, **kwargs)
+    short = [run.shape[-1] for _, run in runs if run.shape[-1] < width]
+    if short:
+        raise ValueError(
+            f"a run of {short[0]} tokens is shorter than the convolution's halo of {width}: use a longer sequence "
+            "or fewer ranks"
+        )
+    halos = passing.halos([run[..., -width:] for _, run in runs], sharding)
+    outs = [conv(torch.cat([halo, run], dim=-1), weight, **kwargs)[..., width:] for halo, (_, run) in zip(halos, runs)]
+    return passing.join(outs, dim=-1)
+
+
+# -------------------------------------------------------------------- Mamba-2
+def _mamba2_decay(dt, A, dt_bias, dt_limit) -> torch.Tensor:
+    """(B, H): the factor a run multiplies the state it starts from by, exp(sum_t A dt_t), with
+    dt discretized as the SSD scan does it (bias, softplus, clamp)."""
+    dt = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])
+    return torch.exp((A.float() * dt).sum(dim=1))
+
+
+def mamba2_scan(scan, x, dt, A, B, C, sharding, strategy, *, chunk_size, D, dt_bias, dt_limit, **kwargs):
+    """scan(x (B, S, H, P), dt (B, S, H), A (H,), B/C (B, S, G, N), ...) -> y (B, S, H, P) on
+    this rank's tokens, as on the whole sequence (transformers' mamba2_chunk_scan signature)."""
+    options = dict(chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit, **kwargs)
+    if strategy == "head_exchange":
+        return _mamba2_head_exchange(scan, x, dt, A, B, C, D, sharding, options)
+    runs = _runs(sharding, x, dt, B, C)  # [(x, dt, B, C) of each run]
+    firsts = [scan(xr, dtr, A, Br, Cr, return_final_states=True, **options) for xr, dtr, Br, Cr in runs]
+    decays = [_mamba2_decay(dtr, A, dt_bias, dt_limit) for _, dtr, _, _ in runs]
+    starts = passing.carried([f for _, f in firsts], decays, sharding, lambda decay, h: decay[..., None, None] * h)
+    outs = [
+        scan(xr, dtr, A, Br, Cr, D=D, initial_states=start, **options) for (xr, dtr, Br, Cr), start in zip(runs, starts)
+    ]
+    return passing.join(outs, dim=1)
+
+
+def _runs(sharding, *tensors) -> list[tuple]:
+    """Per run of this rank (local order): the run's slice of each (B, S_local, ...) tensor."""
+    return [tuple(parts) for parts in zip(*([t for _, t in passing.split(x, sharding, dim=1)] for x in tensors))]
+
+
+def _mamba2_head_exchange(scan, x, dt, A, B, C, D, sharding, options):
+    size, group, heads, r = sharding.size, sharding.group, x.shape[2], sharding.rank
+    mine = slice(r * heads // size, (r + 1) * heads // size)  # the heads (and their groups) rank r runs
+    x, dt = (_to_heads(t, sharding) for t in (x, dt.unsqueeze(-1)))
+    # B and C: each rank's groups, or the one group every head reads, whole
+    B, C = (_to_heads(t, sharding) if t.shape[2] > 1 else _whole(t, sharding) for t in (B, C))
+    options = {**options, "dt_bias": options["dt_bias"][mine]}
+    y = scan(x, dt.squeeze(-1), A[mine], B, C, D=None if D is None else D[mine], **options)
+    return _to_seq(y, sharding, group)
+
+
+def _order(sharding, device) -> torch.Tensor:
+    """The global positions of the tokens after an all-to-all over the SP group: rank 0's
+    tokens, then rank 1's, ... (the layout's local orders one after the other)."""
+    return torch.cat([sharding.layout.local_indices(sharding.seq_len, r) for r in range(sharding.size)]).to(device)
+
+
+def _to_heads(t: torch.Tensor, sharding) -> torch.Tensor:
+    """(B, S_local, H, d) -> (B, S, H / P, d) in sequence order, differentiable."""
+    by_rank = seq_to_heads(t.transpose(1, 2), sharding.group).transpose(1, 2)
+    return by_rank.index_select(1, torch.argsort(_order(sharding, t.device)))
+
+
+def _whole(t: torch.Tensor, sharding) -> torch.Tensor:
+    """(B, S_local, ...) -> (B, S, ...) in sequence order on every rank, differentiable."""
+    by_rank = all_gather_with_grad(t, sharding.group).movedim(0, 1).flatten(1, 2)
+    return by_rank.index_select(1, torch.argsort(_order(sharding, t.device)))
+
+
+def _to_seq(t: torch.Tensor, sharding, group) -> torch.Tensor:
+    """(B, S, H / P, d) in sequence order -> (B, S_local, H, d)."""
+    by_rank = t.index_select(1, _order(sharding, t.device))
+    return heads_to_seq(by_rank.transpose(1, 2).contiguous(), group).transpose(1, 2)
+
+
+# ---------------------------------------------------------------- gated delta rule
+def gated_delta_rule(rule, q, k, v, g, beta, sharding, strategy, **kwargs):
+    """rule(q, k (B, S, H, dk), v (B, S, H, dv), g, beta (B, S, H), ...) -> (out, final state)
+    on this rank's tokens as on the whole sequence (transformers' torch_chunk_gated_delta_rule
+    signature); the final state is None (a sharded forward keeps no cache)."""
+    if strategy == "head_exchange":
+        q, k, v, g, beta = (_to_heads(t, sharding) for t in (q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1)))
+        out, _ = rule(q, k, v, g=g.squeeze(-1), beta=beta.squeeze(-1), **kwargs)
+        return _to_seq(out, sharding, sharding.group), None
+    runs = _runs(sharding, q, k, v, g, beta)
+    finals, transitions = [], []
+    for qr, kr, vr, gr, br in runs:
+        finals.append(rule(qr, kr, vr, g=gr, beta=br, output_final_state=True, **kwargs)[1])
+        # the transition: the final state from an identity start when no value is written
+        dk = kr.shape[-1]
+        eye = torch.eye(dk, dtype=finals[-1].dtype, device=kr.device).expand(*finals[-1].shape[:2], dk, dk)
+        zero_values = torch.zeros(*vr.shape[:-1], dk, dtype=vr.dtype, device=vr.device)
+        transitions.append(
+            rule(qr, kr, zero_values, g=gr, beta=br, initial_state=eye, output_final_state=True, **kwargs)[1]
+        )
+    starts = passing.carried(finals, transitions, sharding, lambda transition, state: transition @ state)
+    outs = [
+        rule(qr, kr, vr, g=gr, beta=br, initial_state=start, output_final_state=False, **kwargs)[0]
+        for (qr, kr, vr, gr, br), start in zip(runs, starts)
+    ]
+    return passing.join(outs, dim=1), None
