@@ -37,6 +37,7 @@ import easy_context as ec
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
 from easy_context.hf.architectures import check_training_config
 from easy_context.hf.context import placement_of
+from easy_context.mixers import STRATEGIES as MIXER_STRATEGIES
 from easy_context.modes import get_mode
 from easy_context.programs import fsdp
 from easy_context.programs.checkpointing import CheckpointError, Checkpoints
@@ -143,6 +144,13 @@ def parse_args(argv=None):
     add_parallel_mode_flags(p)
     p.add_argument(
         "--sp-size", type=int, default=None, help="ranks sharing one sequence (default: all); world = dp x sp"
+    )
+    p.add_argument(
+        "--mixer-strategy",
+        default="auto",
+        choices=["auto", *MIXER_STRATEGIES],
+        help="hybrid models' recurrent layers: state passing, head exchange, or auto (head exchange where the "
+        "heads split over the sequence-parallel group)",
     )
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each decoder layer in the backward"
@@ -480,6 +488,7 @@ def build_model(run: Run):
         sp_size=args.sp_size,
         ring_degree=args.ring_degree,
         document_split=run.document_split or None,
+        mixer_strategy=args.mixer_strategy,
     )
     trainable = CausalLMLoss(model, args.loss_chunk_size)
     if args.fsdp:

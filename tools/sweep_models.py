@@ -91,8 +91,8 @@ def static_reason(model_type: str) -> str | None:
     unimplemented = architectures.unimplemented_attention(config)
     if unimplemented:
         return f"{architectures.NOT_IMPLEMENTED}: {unimplemented}"
-    mixers = architectures.sequence_mixers(cls, config)
     module = sys.modules[cls.__module__]
+    mixers = architectures.sequence_mixers(module, config)
     if mixers and not hf_mixers.covers(module):
         unsupported = hf_mixers.unsupported_mixers(module)
         return f"{architectures.HYBRID}: {', '.join(unsupported or mixers)}"

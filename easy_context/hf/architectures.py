@@ -80,19 +80,18 @@ def unimplemented_attention(config) -> str | None:
     return _UNIMPLEMENTED_LAYER_TYPES[kinds[0]] if kinds else None
 
 
-def sequence_mixers(model_class, config) -> list[str]:
+def sequence_mixers(module, config) -> list[str]:
     """What in a model type, besides attention, mixes tokens along the sequence: its layer
-    kinds that are not attention and the mixer classes its modeling module defines."""
-    import sys
-
+    kinds that are not attention and the mixer classes its modeling `module` defines."""
     kinds = set(getattr(config, "layer_types", None) or ())
     kinds -= _ATTENTION_LAYER_TYPES | _TOKEN_WISE_LAYER_TYPES | set(_UNIMPLEMENTED_LAYER_TYPES)
-    module = sys.modules[model_class.__module__]
-    classes = {
-        name
-        for name, value in vars(module).items()
-        if isinstance(value, type) and value.__module__ == module.__name__ and name.endswith(_MIXER_CLASS_ENDINGS)
-    }
+    classes = set()
+    if module is not None:
+        classes = {
+            name
+            for name, value in vars(module).items()
+            if isinstance(value, type) and value.__module__ == module.__name__ and name.endswith(_MIXER_CLASS_ENDINGS)
+        }
     return sorted(kinds) + sorted(classes)
 
 
@@ -139,12 +138,21 @@ def check_config_features(config) -> None:
             f"model type {config.model_type!r} has layers of type {unimplemented}: "
             f"{_UNIMPLEMENTED_LAYER_TYPES[unimplemented[0]]} is {NOT_IMPLEMENTED} under sequence parallelism"
         )
+    module = modeling_module(config.model_type)
     other = sorted(kinds - _ATTENTION_LAYER_TYPES - _TOKEN_WISE_LAYER_TYPES)
-    if other and not mixers.covers(modeling_module(config.model_type)):
+    if other and not mixers.covers(module):
         raise ValueError(
             f"model type {config.model_type!r} has layers of type {other}: sequence parallelism splits only "
-            f"attention layers ({sorted(_ATTENTION_LAYER_TYPES)}) and layers that do not mix tokens "
-            f"({sorted(_TOKEN_WISE_LAYER_TYPES)}); such layers would need their state passed across ranks"
+            f"attention layers ({sorted(_ATTENTION_LAYER_TYPES)}), layers that do not mix tokens "
+            f"({sorted(_TOKEN_WISE_LAYER_TYPES)}) and the mixers of easy_context/hf/mixers.py; such layers would need "
+            "their state passed across ranks"
+        )
+    found = sequence_mixers(module, config)
+    if found and not mixers.covers(module):  # e.g. an older transformers without the mixer seams
+        raise ValueError(
+            f"model type {config.model_type!r} has sequence mixers besides attention ({', '.join(found)}) that this "
+            "transformers does not call through the seams easy_context/hf/mixers.py replaces "
+            f"({', '.join(mixers.SEAMS)}); use transformers >= 5.25, where they are"
         )
     unproven = sorted(rope_types(config) - PROVEN_ROPE_TYPES)
     if unproven:

@@ -18,6 +18,8 @@ process's `model.generate` would give. How:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from easy_context.core import collectives
@@ -70,7 +72,7 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.T
     kwargs["use_cache"] = True
     if not context.sequence_parallel:  # data_parallel: each rank generates on its own
         return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-    mixers = sequence_mixers(type(model), model.config.get_text_config())
+    mixers = sequence_mixers(sys.modules[type(model).__module__], model.config.get_text_config())
     if mixers:
         raise ValueError(
             f"generate: the model has layers besides attention ({', '.join(mixers)}); a sharded cache of their "

@@ -2,7 +2,7 @@
 data_parallel, eval_ppl runs Gemma 2 (softcap) and eval_needle runs gpt-oss (sinks) exactly."""
 
 import pytest
-from tiny_models import tiny_model
+from tiny_models import ARCHITECTURES, tiny_model
 
 SEQ = 128
 MODES = ["zigzag_ring_attn", "ulysses_attn", "dist_flash_attn"]  # one mode of each family
@@ -12,14 +12,28 @@ SCRIPT_RUNS = {
     "gemma2": ["--parallel_mode", "zigzag_ring_attn"],
     "gpt_oss": ["--parallel_mode", "dist_flash_attn", "--activation-checkpointing"],
     "deepseek_v3": ["--parallel_mode", "ulysses_attn"],
+    # hybrids: Gated DeltaNet by state passing in the zigzag layout, Mamba-2 by head exchange
+    "qwen3_next": ["--parallel_mode", "zigzag_ring_attn", "--mixer-strategy", "state_passing"],
+    "nemotron_h": ["--parallel_mode", "ulysses_attn", "--mixer-strategy", "head_exchange"],
 }
 
 
 def saved_tiny_model(path, model_type):
-    """A tiny model of `model_type` with the byte tokenizer, saved like train.py saves one."""
+    """A tiny model of `model_type` with the byte tokenizer, saved like train.py saves one
+    (a hybrid's from tools/tiny_configs.py, the sweep's)."""
     from easy_context.programs.data import BYTE_EOS_ID, byte_tokenizer
 
-    tiny_model(model_type, vocab_size=BYTE_EOS_ID + 1, eos_token_id=BYTE_EOS_ID).save_pretrained(path)
+    ids = dict(vocab_size=BYTE_EOS_ID + 1, eos_token_id=BYTE_EOS_ID)
+    if model_type in ARCHITECTURES:
+        model = tiny_model(model_type, **ids)
+    else:
+        import transformers
+
+        from tools.sweep_models import causal_lm_class
+        from tools.tiny_configs import tiny_config
+
+        model = getattr(transformers, causal_lm_class(model_type).__name__)(tiny_config(model_type, **ids))
+    model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
 
