@@ -27,6 +27,7 @@ BENCHMARKS=(
   "features|5|python -m benchmarks.bench_features"
   "features_memory|6|python -m benchmarks.bench_features --exact-memory"
   "generate|7|python -m benchmarks.bench_generate --csv docs/bench_generate.csv"
+  "mixers|16|python -m benchmarks.bench_mixers --seq-lengths 16384,32768 --repeats 2 --csv docs/bench_mixers.csv"
   "replica_check|1|torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_replica_check"
   "planner|1|python -m tools.validate_plan --calibrate"
   "gpu_check_dry_run|3|bash scripts/gpu_check.sh --dry-run --out bench_logs"
@@ -37,6 +38,7 @@ QUICK=(
   "train|2|python -m benchmarks.bench_train --smoke"
   "sharding|2|python -m benchmarks.bench_sharding --smoke"
   "generate|2|python -m benchmarks.bench_generate --smoke"
+  "mixers|1|python -m benchmarks.bench_mixers --seq-lengths 256 --repeats 1"
   "kernels|1|python -m benchmarks.bench_kernels --device cpu --seq-len 512,1024 --heads 8 --kv-heads 2 --head-dim 64 --iters 2"
   "planner|1|python -m tools.validate_plan"
 )

@@ -307,3 +307,22 @@ def test_bench_generate_smoke(tmp_path):
     for row in rows[1::2]:  # the sharded cache: about half of one process's (plus its spare slots)
         assert 0.4 < float(row[6]) < 0.8 and float(row[10]) > 0
     assert len(csv_path.read_text().splitlines()) == 5
+
+
+@pytest.mark.timeout(300)
+def test_bench_mixers_smoke():
+    """Every family and both strategies run, the bytes counted equal the declared ones, and the
+    crossover lengths are printed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_mixers", "--seq-lengths", "256", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    header, *rows = table_rows(out)
+    assert header[:3] == ["family", "S", "setting"] and len(rows) == 9
+    for row in rows:
+        assert float(row[3]) > 0 and row[5] == row[6], row  # seconds; sent == declared
+    assert "mamba2: state passing sends fewer bytes than head exchange from S = 204" in out

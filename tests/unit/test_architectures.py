@@ -95,10 +95,18 @@ def test_a_hybrid_model_instance_is_refused_by_its_layer_types():
     (hf/mixers.py: Mamba-2, Gated DeltaNet, short convolutions)."""
     from transformers import JambaConfig, Qwen3NextConfig
 
+    from easy_context.hf import mixers
+    from easy_context.hf.modeling import modeling_module
+
     with pytest.raises(ValueError, match="Mamba"):
         apply_seq_parallel_monkey_patch("zigzag_ring_attn", JambaConfig(num_hidden_layers=2))
-    apply_seq_parallel_monkey_patch("zigzag_ring_attn", Qwen3NextConfig(num_hidden_layers=2))  # Gated DeltaNet
-    remove_seq_parallel_monkey_patch()
+    gated_deltanet = Qwen3NextConfig(num_hidden_layers=2)
+    if mixers.covers(modeling_module("qwen3_next")):  # transformers with the mixer seams (5.25)
+        apply_seq_parallel_monkey_patch("zigzag_ring_attn", gated_deltanet)
+        remove_seq_parallel_monkey_patch()
+    else:  # an older one: refused, naming the seams it lacks
+        with pytest.raises(ValueError, match="does not call through the seams|layers of type"):
+            apply_seq_parallel_monkey_patch("zigzag_ring_attn", gated_deltanet)
     disguised = tiny_config("llama")
     disguised.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match=r"layers of type \['linear_attention'\]"):
