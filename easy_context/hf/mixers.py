@@ -22,7 +22,16 @@ from easy_context.hf.modeling import modeling_module
 from easy_context.mixers import Sharding, choose_strategy, families
 from easy_context.mixers.costs import MixerShape
 
-__all__ = ["SEAMS", "covers", "has_scans", "install", "mixer_shapes", "uninstall", "unsupported_mixers"]
+__all__ = [
+    "SEAMS",
+    "covers",
+    "has_scans",
+    "install",
+    "mixer_layers",
+    "mixer_shapes",
+    "uninstall",
+    "unsupported_mixers",
+]
 
 # seam name -> the function that replaces it (built from the module's own)
 SEAMS = (
@@ -186,6 +195,18 @@ _REPLACEMENTS = {
 }
 
 
+def mixer_layers(model) -> list[tuple[torch.nn.Module, torch.nn.Conv1d]]:
+    """The recurrent and convolution mixer layers of a model, each with its depthwise causal
+    convolution (every family here has one: Mamba-2's conv1d, Gated DeltaNet's conv1d, the short
+    convolution's conv)."""
+    found = []
+    for layer in model.modules():
+        conv = getattr(layer, "conv1d", None) or getattr(layer, "conv", None)
+        if isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels:
+            found.append((layer, conv))
+    return found
+
+
 def mixer_shapes(model, batch: int, seq_len: int, sp_size: int, max_runs: int) -> list[MixerShape]:
     """The MixerShape of each mixer layer of a model (mixers/costs.py declares their traffic),
     read from the layers' own attributes: a Mamba-2 mixer, a gated delta rule layer, a short
@@ -193,10 +214,7 @@ def mixer_shapes(model, batch: int, seq_len: int, sp_size: int, max_runs: int) -
     shapes = []
     dtype_bytes = next(model.parameters()).element_size()
     common = dict(batch=batch, seq_len=seq_len, sp_size=sp_size, max_runs=max_runs, dtype_bytes=dtype_bytes)
-    for layer in model.modules():
-        conv = getattr(layer, "conv1d", None) or getattr(layer, "conv", None)
-        if not isinstance(conv, torch.nn.Conv1d) or conv.groups != conv.in_channels:
-            continue  # not a depthwise causal convolution of a mixer
+    for layer, conv in mixer_layers(model):
         convolution = dict(conv_channels=conv.in_channels, conv_width=conv.kernel_size[0] - 1)
         if hasattr(layer, "ssm_state_size"):
             scan = dict(scan="mamba2", heads=layer.num_heads, head_dim=layer.head_dim, state_dim=layer.ssm_state_size)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from easy_context.hf.mixers import mixer_layers
+
 __all__ = ["ADAPTER_CONFIG", "attention_projections", "add_lora", "adapter_base", "load_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes next to the adapter weights
@@ -32,15 +34,25 @@ def _peft():
 
 
 def attention_projections(model) -> list[str]:
-    """The names of the linear layers inside the attention modules (q_proj, k_proj, v_proj,
-    o_proj for Llama; qkv_proj for Phi-3; the MLA projections for DeepSeek-V3): LoRA's
-    default targets, found in the model rather than listed per architecture."""
+    """The names of the linear layers inside the sequence mixers: the attention modules (q_proj,
+    k_proj, v_proj, o_proj for Llama; qkv_proj for Phi-3; the MLA projections for DeepSeek-V3) and
+    the input projections of a hybrid's recurrent and convolution mixers (Mamba-2's in_proj,
+    Gated DeltaNet's in_proj_qkvz and in_proj_ba). LoRA's default targets, found in the model rather
+    than listed per architecture."""
     names = set()
     for qualified, module in model.named_modules():
         parent, _, name = qualified.rpartition(".")
         in_attention = any(part in ("self_attn", "attention", "attn") for part in parent.split("."))
         if in_attention and isinstance(module, torch.nn.Linear):
             names.add(name)
+    # a mixer's input projections only: mamba_ssm's fused path reads out_proj's weight itself (an
+    # adapter there would be skipped), which is why peft refuses out_proj on Mamba models
+    for layer, _ in mixer_layers(model):
+        names.update(
+            name
+            for name, child in layer.named_children()
+            if isinstance(child, torch.nn.Linear) and name.startswith("in_proj")
+        )
     return sorted(names)
 
 
@@ -57,7 +69,8 @@ def add_lora(model, r: int, alpha: float | None = None, targets: list[str] | Non
     if targets is None:
         targets = available
         if not targets:
-            raise ValueError(f"{type(model).__name__} has no linear layers in its attention: name LoRA targets")
+            name = type(model).__name__
+            raise ValueError(f"{name} has no linear layers in its attention or mixers: name LoRA targets")
     unknown = [t for t in targets if t not in linear]
     if unknown:
         raise ValueError(f"LoRA targets {unknown} are not linear layers of {type(model).__name__}; it has {linear}")

@@ -12,10 +12,13 @@ SCRIPT_RUNS = {
     "gemma2": ["--parallel_mode", "zigzag_ring_attn"],
     "gpt_oss": ["--parallel_mode", "dist_flash_attn", "--activation-checkpointing"],
     "deepseek_v3": ["--parallel_mode", "ulysses_attn"],
-    # hybrids: Gated DeltaNet by state passing in the zigzag layout, Mamba-2 by head exchange
-    "qwen3_next": ["--parallel_mode", "zigzag_ring_attn", "--mixer-strategy", "state_passing"],
-    "nemotron_h": ["--parallel_mode", "ulysses_attn", "--mixer-strategy", "head_exchange"],
+    # hybrids: Gated DeltaNet by state passing in the zigzag layout under FSDP2, Mamba-2 by head
+    # exchange with LoRA adapters (on the attention layers' q, k, v, o)
+    "qwen3_next": ["--parallel_mode", "zigzag_ring_attn", "--mixer-strategy", "state_passing", "--fsdp"],
+    "nemotron_h": ["--parallel_mode", "ulysses_attn", "--mixer-strategy", "head_exchange", "--lora-r", "4"],
 }
+# flags of a run that the one-process reference runs with too
+SHARED = {"--lora-r"}
 
 
 def saved_tiny_model(path, model_type):
@@ -45,7 +48,9 @@ def test_train_py_trains_any_supported_type_like_data_parallel(tmp_path, model_t
 
     model = saved_tiny_model(tmp_path / "model", model_type)
     steps = ["--model", str(model), "--max-train-steps", "2"]
-    want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps)
+    flags = SCRIPT_RUNS[model_type]
+    shared = [x for i, flag in enumerate(flags) if flag in SHARED for x in flags[i : i + 2]]
+    want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps, *shared)
     got, _ = train(tmp_path, "parallel", 2, *SCRIPT_RUNS[model_type], *steps)
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
