@@ -79,7 +79,7 @@ def _worker(rank, world, spec, workdir):
     from benchmarks.attention_comm import CommCounter
     from easy_context.core.pieces import local_pieces
     from easy_context.hf.mixers import mixer_shapes
-    from easy_context.mixers.costs import traffic
+    from easy_context.mixers.costs import positions_traffic, traffic
 
     family, seq, setting, repeats = spec
     torch.set_num_threads(2 // world)
@@ -95,6 +95,8 @@ def _worker(rank, world, spec, workdir):
         runs = max(len(local_pieces(context.layout(), seq, r)) for r in range(world))
         shapes = mixer_shapes(model, 1, seq, world, runs)
         declared = sum(traffic(setting, s) for s in shapes) / len(shapes)
+        # once per forward, not per layer: the position_ids' all-gather (Mamba2Model takes none)
+        once = 0 if family == "mamba2" else positions_traffic(1, seq, world)
     else:
         positions = torch.arange(seq)[None]
 
@@ -115,7 +117,7 @@ def _worker(rank, world, spec, workdir):
         times.append(time.perf_counter() - started)
         if world > 1:
             CommCounter.instance.enabled = False
-            sent = CommCounter.instance.bytes / 2  # per mixer layer (2 layers, all mixers)
+            sent = (CommCounter.instance.bytes - once) / 2  # per mixer layer (2 layers, all mixers)
     peak = (status_bytes("VmHWM:") - before) / 2**20
     write_result(workdir, rank, [statistics.median(times), peak, sent, declared])
     if world > 1:

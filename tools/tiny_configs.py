@@ -81,6 +81,7 @@ OVERRIDES: dict[str, dict] = {
     "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], num_hidden_layers=2),
     "mamba2": dict(hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, num_dense_layers=1),
+    "lfm2": dict(layer_types=["conv", "full_attention"], num_hidden_layers=2),
 }
 
 

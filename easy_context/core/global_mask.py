@@ -16,7 +16,7 @@ from easy_context.core.groups import SeqParallelGroups
 from easy_context.core.layout import Layout, RowLayout
 from easy_context.core.masking import SequenceMask
 
-__all__ = ["gather_sequence_mask", "check_padding"]
+__all__ = ["gather_sequence_mask", "check_padding", "check_positions"]
 
 
 def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layout: Layout, token_index) -> SequenceMask:
@@ -37,7 +37,7 @@ def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layou
     pieces = all_gather(local, groups.sp)  # on the data's device: NCCL takes only CUDA tensors
     if token_index is None:
         whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
-        _check_positions(pieces, size, rank, layout)
+        check_positions(pieces, size, rank, layout)
         row_layout = None
     else:  # document_split: each rank's rows sit at the global positions its third row names
         pieces = [piece.cpu() for piece in pieces]
@@ -50,7 +50,7 @@ def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layou
     return SequenceMask.from_positions(positions, None if bool(valid.all()) else valid.bool(), row_layout)
 
 
-def _check_positions(pieces, size: int, rank: int, layout: Layout) -> None:
+def check_positions(pieces, size: int, rank: int, layout: Layout) -> None:
     """Positions left to the model's default (arange over each local shard) give wrong RoPE
     on every rank but the first, and would read as documents cut at shard boundaries."""
     local_len = pieces[0].shape[-1]

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Block", "SequenceMask", "plan_blocks", "FULL_ROWS"]
+__all__ = ["Block", "SequenceMask", "document_starts", "plan_blocks", "FULL_ROWS"]
 
 FULL_ROWS = slice(None)
 
@@ -64,6 +64,14 @@ class Block(NamedTuple):
         ]
 
 
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool: where a document starts in each row, by HF's packing convention (a token
+    whose position is not the one before it plus one; the first token always)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
 @dataclass(eq=False)
 class SequenceMask:
     """first_key (B, S) int64 on the host, global indices; window None = unlimited."""
@@ -84,8 +92,7 @@ class SequenceMask:
         position_ids = position_ids.cpu().long()
         batch, seq = position_ids.shape
         index = torch.arange(seq).expand(batch, seq)
-        starts = torch.ones_like(position_ids, dtype=torch.bool)
-        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        starts = document_starts(position_ids)
         if valid is not None:
             valid = valid.cpu().bool()
             starts[:, 1:] |= valid[:, 1:] != valid[:, :-1]

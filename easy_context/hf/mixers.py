@@ -9,15 +9,25 @@ types it runs, those module globals are replaced by functions that, on a sharded
 mixers/families.py over this rank's runs, and otherwise call transformers' own. The fused path
 answers None under sequence parallelism, so the layer takes the seams.
 
+Packed rows (position_ids restarting at each document) restart every mixer's state at each
+document: the forward's position_ids are read where the model builds its recurrent layers' mask
+(`create_recurrent_attention_mask`, another module global), gathered over the SP group once per
+forward, and handed to mixers/ as the documents' starts.
+
 Which hybrids this covers is what `unsupported_mixers` says (the sweep runs the rest to prove
-them); generation (a cache), packed documents and document_split are refused for them, naming
-the limit.
+them); generation (a cache) and document_split are refused for them, naming the limit.
 """
 
 from __future__ import annotations
 
-import torch
+import weakref
 
+import torch
+import torch.distributed as dist
+
+from easy_context.core.collectives import all_gather
+from easy_context.core.global_mask import check_positions
+from easy_context.core.masking import document_starts
 from easy_context.hf.modeling import modeling_module
 from easy_context.mixers import Sharding, choose_strategy, families
 from easy_context.mixers.costs import MixerShape
@@ -47,8 +57,13 @@ UNSUPPORTED_SEAMS = {
     "chunk_kimi_delta_attention": "Kimi Delta Attention",
 }
 
+# where a forward's position_ids are seen: the mask builder of the recurrent layers
+POSITIONS_SEAM = "create_recurrent_attention_mask"
+
 _saved: dict[tuple, object] = {}  # (module, name) -> transformers' function
 _active = None  # callable returning the installed SequenceParallel
+_positions: tuple = (None, None)  # (modeling module, local position_ids) of the latest sharded forward
+_gathered: tuple = (None, -1, None)  # (weakref to those position_ids, their version, the starts)
 
 
 def unsupported_mixers(module) -> list[str]:
@@ -73,16 +88,20 @@ def install(model_types, active) -> None:
     _active = active
     for model_type in model_types:
         module = modeling_module(model_type)
-        for name in SEAMS:
-            if module is not None and hasattr(module, name) and (module, name) not in _saved:
+        if not covers(module):
+            continue
+        for name in (*SEAMS, POSITIONS_SEAM):
+            if hasattr(module, name) and (module, name) not in _saved:
                 _saved[(module, name)] = getattr(module, name)
                 setattr(module, name, _REPLACEMENTS[name](module, getattr(module, name)))
 
 
 def uninstall() -> None:
+    global _positions, _gathered
     for (module, name), original in _saved.items():
         setattr(module, name, original)
     _saved.clear()
+    _positions, _gathered = (None, None), (None, -1, None)
 
 
 def _sharding():
@@ -104,9 +123,44 @@ def _sharding():
     return groups, context
 
 
-def _sharded(groups, context, local_len: int) -> Sharding:
+def _sharded(module, groups, context, batch: int, local_len: int) -> Sharding:
     layout = context.layout()
-    return Sharding(groups.sp, groups.sp_rank, layout, local_len * layout.size)
+    starts = _document_starts(module, groups.sp, layout, local_len)
+    starts = None if starts is None else starts.expand(batch, -1)
+    return Sharding(groups.sp, groups.sp_rank, layout, local_len * layout.size, starts)
+
+
+def _document_starts(module, group, layout, local_len: int):
+    """(rows, S) bool: where documents start in this forward's rows, from every rank's position_ids
+    (one all-gather of small integers per forward, the first mixer's); None for one document per
+    row, or where the model passed no position_ids (the default positions)."""
+    global _gathered
+    recorded_by, positions = _positions
+    if recorded_by is not module or positions is None or positions.shape[-1] != local_len:
+        return None
+    ref, version, starts = _gathered
+    if ref is not None and ref() is positions and version == positions._version:
+        return starts
+    local = positions.reshape(-1, local_len).long()
+    pieces = all_gather(local, group)
+    # the model's default positions (arange on every shard) would read as a document per shard
+    check_positions([piece[None] for piece in pieces], layout.size, dist.get_rank(group), layout)
+    whole = layout.unshard(pieces, dim=1).cpu()  # on the host: the cuts are planned there
+    starts = document_starts(whole)
+    starts = starts if bool(starts[:, 1:].any()) else None
+    _gathered = (weakref.ref(positions), positions._version, starts)
+    return starts
+
+
+def _recurrent_mask(module, original):
+    def create_recurrent_attention_mask(*args, **kwargs):
+        global _positions
+        context = _active() if _active is not None else None
+        if context is not None and context.sequence_parallel:
+            _positions = (module, kwargs.get("position_ids"))
+        return original(*args, **kwargs)
+
+    return create_recurrent_attention_mask
 
 
 def _conv_forward(module, original):
@@ -115,7 +169,7 @@ def _conv_forward(module, original):
         if groups is None:
             return original(conv1d, hidden_states, cache, layer_idx, activation, state_idx, **kwargs)
         _refuse_cache(cache)
-        sharding = _sharded(groups, context, hidden_states.shape[-1])
+        sharding = _sharded(module, groups, context, hidden_states.shape[0], hidden_states.shape[-1])
         weight = conv1d.weight.squeeze(1)
         conv = module.causal_conv1d_fn
         return families.causal_conv(conv, hidden_states, weight, sharding, bias=conv1d.bias, activation=activation)
@@ -130,7 +184,7 @@ def _mamba2_scan_forward(module, original):
             return original(mixer, hidden_states, B, C, dt, cache, **kwargs)
         _refuse_cache(cache)
         batch, local_len, _ = hidden_states.shape
-        sharding = _sharded(groups, context, local_len)
+        sharding = _sharded(module, groups, context, batch, local_len)
         strategy = choose_strategy(context.mixer_strategy, mixer.num_heads, mixer.n_groups, sharding.size)
         y = families.mamba2_scan(
             module.mamba2_chunk_scan,
@@ -170,7 +224,7 @@ def _gated_delta_rule(module, original):
         if args:
             raise TypeError(f"torch_chunk_gated_delta_rule: unexpected positional arguments {len(args)}")
         options = {k: kwargs[k] for k in ("chunk_size", "use_qk_l2norm_in_kernel") if k in kwargs}
-        sharding = _sharded(groups, context, query.shape[1])
+        sharding = _sharded(module, groups, context, query.shape[0], query.shape[1])
         # heads: the value heads; "groups": the query/key heads each serves several of
         strategy = choose_strategy(context.mixer_strategy, value.shape[2], key.shape[2], sharding.size)
         out, _ = families.gated_delta_rule(original, query, key, value, g, beta, sharding, strategy, **options)
@@ -192,6 +246,7 @@ _REPLACEMENTS = {
     "mamba2_scan_forward": _mamba2_scan_forward,
     "mamba2_split_conv1d_scan_combined": _fused_mamba2,
     "torch_chunk_gated_delta_rule": _gated_delta_rule,
+    POSITIONS_SEAM: _recurrent_mask,
 }
 
 

@@ -30,12 +30,15 @@ STRATEGIES = ("state_passing", "head_exchange")
 @dataclass(frozen=True)
 class Sharding:
     """Where this rank's tokens sit in the sequence: its SP group, its rank there, the layout
-    (core.layout.Layout) and the whole sequence's length."""
+    (core.layout.Layout), the whole sequence's length and, for packed rows, where documents
+    start ((B, S) bool on the host, in sequence order; None: one document per row). A mixer's
+    state restarts at every document, as if each ran alone."""
 
     group: object
     rank: int
     layout: object
     seq_len: int
+    starts: object = None
 
     @property
     def size(self) -> int:

@@ -8,16 +8,19 @@ Follows the code that runs (families.py over state_passing.py and core/exchange.
 - head exchange: each scan input goes from sequence shards to head shards by an all-to-all
   ((P - 1) / P of it leaves the rank), the output comes back the same way, and the backward
   does both again; a single B/C group (Mamba-2) is all-gathered whole instead. O(S) bytes.
-Pure arithmetic, tested against bytes counted on a run (tests/distributed/test_hybrids.py).
+Once per forward besides, where the model passes position_ids: one all-gather of them (int64),
+where documents start. Pure arithmetic, tested against bytes counted on a run
+(tests/distributed/test_hybrids.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MixerShape", "traffic"]
+__all__ = ["MixerShape", "positions_traffic", "traffic"]
 
 FP32 = 4
+INT64 = 8
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,12 @@ def traffic(strategy: str, shape: MixerShape) -> int:
         gathers += (p - 1) * s.max_runs * b * summary * FP32
         return 2 * gathers
     return 2 * (gathers + _exchanged(shape))
+
+
+def positions_traffic(batch: int, seq_len: int, sp_size: int) -> int:
+    """Bytes one rank sends once per forward: the all-gather of its position_ids (rows, S / P)
+    that tells every rank where documents start (not differentiable: no backward)."""
+    return (sp_size - 1) * batch * (seq_len // sp_size) * INT64
 
 
 def _exchanged(shape: MixerShape) -> int:

@@ -38,8 +38,35 @@ def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, sharding, **kwargs)
             "or fewer ranks"
         )
     halos = passing.halos([run[..., -width:] for _, run in runs], sharding)
+    if sharding.starts is not None:
+        starts = passing.run_starts(sharding)
+        outs = [
+            _conv_documents(conv, halo, run, start, weight, sharding, kwargs)
+            for halo, (_, run), start in zip(halos, runs, starts)
+        ]
+        return passing.join(outs, dim=-1)
     outs = [conv(torch.cat([halo, run], dim=-1), weight, **kwargs)[..., width:] for halo, (_, run) in zip(halos, runs)]
     return passing.join(outs, dim=-1)
+
+
+def _conv_documents(conv, halo, run, start, weight, sharding, kwargs) -> torch.Tensor:
+    """One run of packed rows, row by row and document by document: each stretch is convolved
+    after the inputs before it that are in its own document (zeros in place of the others, as a
+    document convolved alone is padded)."""
+    width = halo.shape[-1]
+    rows = []
+    for row in range(run.shape[0]):
+        extended = torch.cat([halo[row : row + 1], run[row : row + 1]], dim=-1)  # from position start - width
+        outs = []
+        for lo, hi, begins in passing.stretches(sharding, row, start, run.shape[-1]):
+            first = start + lo if begins else passing.document_start(sharding, row, start)
+            window = extended[..., lo : width + hi]  # positions start + lo - width .. start + hi - 1
+            positions = torch.arange(start + lo - width, start + hi, device=window.device)
+            # a product, not a slice: the gathered halo stays in every rank's result (its backward is a collective)
+            window = window * (positions >= first).to(window.dtype)
+            outs.append(conv(window, weight, **kwargs)[..., width:])
+        rows.append(torch.cat(outs, dim=-1))
+    return torch.cat(rows, dim=0)
 
 
 # -------------------------------------------------------------------- Mamba-2
@@ -57,12 +84,55 @@ def mamba2_scan(scan, x, dt, A, B, C, sharding, strategy, *, chunk_size, D, dt_b
     if strategy == "head_exchange":
         return _mamba2_head_exchange(scan, x, dt, A, B, C, D, sharding, options)
     runs = _runs(sharding, x, dt, B, C)  # [(x, dt, B, C) of each run]
-    firsts = [scan(xr, dtr, A, Br, Cr, return_final_states=True, **options) for xr, dtr, Br, Cr in runs]
+
+    def final(xr, dtr, Br, Cr):
+        return scan(xr, dtr, A, Br, Cr, return_final_states=True, **options)[1]
+
+    def output(xr, dtr, Br, Cr, initial):
+        return scan(xr, dtr, A, Br, Cr, D=D, initial_states=initial, **options)
+
+    finals = [final(*run) for run in runs]
     decays = [_mamba2_decay(dtr, A, dt_bias, dt_limit) for _, dtr, _, _ in runs]
-    starts = passing.carried([f for _, f in firsts], decays, sharding, lambda decay, h: decay[..., None, None] * h)
-    outs = [
-        scan(xr, dtr, A, Br, Cr, D=D, initial_states=start, **options) for (xr, dtr, Br, Cr), start in zip(runs, starts)
+    if sharding.starts is not None:
+        return _scan_documents(runs, finals, decays, sharding, final, output, lambda d, h: d[..., None, None] * h)
+    starts = passing.carried(finals, decays, sharding, lambda decay, h: decay[..., None, None] * h)
+    outs = [output(*run, start) for run, start in zip(runs, starts)]
+    return passing.join(outs, dim=1)
+
+
+def _scan_documents(runs, finals, transitions, sharding, final, output, apply):
+    """State passing over packed rows: a run's summary, row by row, is its own (no document
+    starts in it) or that of its last document from a zero start, with a zero transition (the
+    state restarts); each document of a run then scans from the state carried in (its first, if
+    it continues one from an earlier run) or from zeros. Rows and documents one kernel call each."""
+    starts = passing.run_starts(sharding)
+    cuts = [
+        [passing.stretches(sharding, row, start, run[0].shape[1]) for row in range(run[0].shape[0])]
+        for run, start in zip(runs, starts)
     ]
+    summaries = ([], [])
+    for run, run_cuts, f, t in zip(runs, cuts, finals, transitions):
+        rows_f, rows_t = [], []
+        for row, stretches in enumerate(run_cuts):
+            restarted = any(begins for _, _, begins in stretches)
+            lo = stretches[-1][0]
+            rows_f.append(final(*(x[row : row + 1, lo:] for x in run)) if restarted else f[row : row + 1])
+            rows_t.append(t[row : row + 1] * (0 if restarted else 1))
+        summaries[0].append(torch.cat(rows_f))
+        summaries[1].append(torch.cat(rows_t))
+    carried = passing.carried(*summaries, sharding, apply)
+    outs = []
+    for run, run_cuts, state in zip(runs, cuts, carried):
+        rows = []
+        for row, stretches in enumerate(run_cuts):
+            parts = []
+            for lo, hi, begins in stretches:
+                # zeros made from the carried state where a document begins: the gather's backward
+                # is a collective every rank must join
+                initial = state[row : row + 1] * (0 if begins else 1) if lo == 0 else None
+                parts.append(output(*(x[row : row + 1, lo:hi] for x in run), initial))
+            rows.append(torch.cat(parts, dim=1))
+        outs.append(torch.cat(rows))
     return passing.join(outs, dim=1)
 
 
@@ -78,8 +148,21 @@ def _mamba2_head_exchange(scan, x, dt, A, B, C, D, sharding, options):
     # B and C: each rank's groups, or the one group every head reads, whole
     B, C = (_to_heads(t, sharding) if t.shape[2] > 1 else _whole(t, sharding) for t in (B, C))
     options = {**options, "dt_bias": options["dt_bias"][mine]}
-    y = scan(x, dt.squeeze(-1), A[mine], B, C, D=None if D is None else D[mine], **options)
+    D = None if D is None else D[mine]
+    y = _by_document(lambda x, dt, B, C: scan(x, dt.squeeze(-1), A[mine], B, C, D=D, **options), sharding, x, dt, B, C)
     return _to_seq(y, sharding, group)
+
+
+def _by_document(scan, sharding, *whole):
+    """scan(*whole) over whole sequences (B, S, ...), or, for packed rows, one call per row and
+    document (each from a zero state)."""
+    if sharding.starts is None:
+        return scan(*whole)
+    rows = []
+    for row in range(whole[0].shape[0]):
+        stretches = passing.stretches(sharding, row, 0, sharding.seq_len)
+        rows.append(torch.cat([scan(*(t[row : row + 1, lo:hi] for t in whole)) for lo, hi, _ in stretches], dim=1))
+    return torch.cat(rows)
 
 
 def _order(sharding, device) -> torch.Tensor:
@@ -113,12 +196,23 @@ def gated_delta_rule(rule, q, k, v, g, beta, sharding, strategy, **kwargs):
     signature); the final state is None (a sharded forward keeps no cache)."""
     if strategy == "head_exchange":
         q, k, v, g, beta = (_to_heads(t, sharding) for t in (q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1)))
-        out, _ = rule(q, k, v, g=g.squeeze(-1), beta=beta.squeeze(-1), **kwargs)
+        out = _by_document(
+            lambda q, k, v, g, beta: rule(q, k, v, g=g.squeeze(-1), beta=beta.squeeze(-1), **kwargs)[0],
+            sharding,
+            *(q, k, v, g, beta),
+        )
         return _to_seq(out, sharding, sharding.group), None
     runs = _runs(sharding, q, k, v, g, beta)
+
+    def final(qr, kr, vr, gr, br):
+        return rule(qr, kr, vr, g=gr, beta=br, output_final_state=True, **kwargs)[1]
+
+    def output(qr, kr, vr, gr, br, initial):
+        return rule(qr, kr, vr, g=gr, beta=br, initial_state=initial, output_final_state=False, **kwargs)[0]
+
     finals, transitions = [], []
     for qr, kr, vr, gr, br in runs:
-        finals.append(rule(qr, kr, vr, g=gr, beta=br, output_final_state=True, **kwargs)[1])
+        finals.append(final(qr, kr, vr, gr, br))
         # the transition: the final state from an identity start when no value is written
         dk = kr.shape[-1]
         eye = torch.eye(dk, dtype=finals[-1].dtype, device=kr.device).expand(*finals[-1].shape[:2], dk, dk)
@@ -126,9 +220,9 @@ def gated_delta_rule(rule, q, k, v, g, beta, sharding, strategy, **kwargs):
         transitions.append(
             rule(qr, kr, zero_values, g=gr, beta=br, initial_state=eye, output_final_state=True, **kwargs)[1]
         )
+    if sharding.starts is not None:
+        out = _scan_documents(runs, finals, transitions, sharding, final, output, lambda t, state: t @ state)
+        return out, None
     starts = passing.carried(finals, transitions, sharding, lambda transition, state: transition @ state)
-    outs = [
-        rule(qr, kr, vr, g=gr, beta=br, initial_state=start, output_final_state=False, **kwargs)[0]
-        for (qr, kr, vr, gr, br), start in zip(runs, starts)
-    ]
+    outs = [output(*run, start) for run, start in zip(runs, starts)]
     return passing.join(outs, dim=1), None

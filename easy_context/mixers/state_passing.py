@@ -23,7 +23,7 @@ import torch
 from easy_context.core.collectives import all_gather_with_grad
 from easy_context.core.pieces import local_pieces, pieces
 
-__all__ = ["split", "join", "halos", "carried"]
+__all__ = ["split", "join", "halos", "carried", "run_starts", "stretches", "document_start"]
 
 
 def split(x: torch.Tensor, sharding, dim: int) -> list[tuple[int, torch.Tensor]]:
@@ -32,6 +32,25 @@ def split(x: torch.Tensor, sharding, dim: int) -> list[tuple[int, torch.Tensor]]
         (i, x.narrow(dim, p.offset, p.length))
         for i, p in local_pieces(sharding.layout, sharding.seq_len, sharding.rank)
     ]
+
+
+def run_starts(sharding) -> list[int]:
+    """The global position of the first token of each of this rank's runs, in local order."""
+    return [p.start for _, p in local_pieces(sharding.layout, sharding.seq_len, sharding.rank)]
+
+
+def stretches(sharding, row: int, start: int, length: int) -> list[tuple[int, int, bool]]:
+    """The tokens [start, start + length) of `row` cut where documents start: (lo, hi, begins)
+    offsets from `start`, and whether the stretch begins a document (else it continues the one
+    before `start`)."""
+    begins = sharding.starts[row, start : start + length]
+    cuts = sorted({0, *torch.nonzero(begins).flatten().tolist()})
+    return [(lo, hi, bool(begins[lo])) for lo, hi in zip(cuts, [*cuts[1:], length])]
+
+
+def document_start(sharding, row: int, position: int) -> int:
+    """The first position of the document that holds `position` in `row`."""
+    return int(torch.nonzero(sharding.starts[row, : position + 1]).max())
 
 
 def join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Hybrid models' sequence mixers (mixers/, hf/mixers.py) beyond the sweep's fp32 check at 2 ranks:
-Ulysses x ring at 4 ranks under both strategies, bf16 within the unpatched bf16 model's own error,
-the bytes each strategy declares equal to the bytes it sends, and what is refused."""
+Ulysses x ring at 4 ranks under both strategies, packed documents (exact against each document
+alone) and padding, bf16 within the unpatched bf16 model's own error, the bytes each strategy
+declares equal to the bytes it sends, and what is refused."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from easy_context.hf import active_patch
 from easy_context.hf.architectures import attn_implementation
 from easy_context.hf.mixers import mixer_shapes
 from easy_context.mixers import STRATEGIES
-from easy_context.mixers.costs import traffic
+from easy_context.mixers.costs import positions_traffic, traffic
 from tools import sweep_models
 from tools.tiny_configs import tiny_config
 
@@ -92,6 +93,136 @@ def test_every_family_under_ulysses_and_ring_at_four_ranks_in_both_strategies():
     assert refusal is not None and "generate: the model has layers besides attention (linear_attention" in refusal
 
 
+# two rows of SEQ = 128 tokens: documents that start inside runs (zigzag's runs are 32 tokens,
+# ulysses' 64) and at a run's first token, one shorter than a convolution's halo; and one document
+DOCUMENTS = ([40, 50, 38], [64, 2, 62])
+
+
+def packed_batch():
+    input_ids, target_ids = sweep_models._batch()
+    input_ids, target_ids = input_ids.repeat(2, 1), target_ids.repeat(2, 1)
+    input_ids[1] = input_ids[1].flip(0)
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in DOCUMENTS])
+    return input_ids, position_ids, target_ids
+
+
+def each_document_alone(model):
+    """The unpatched model on each document by itself, the loss over all of them at once."""
+    import torch.nn.functional as F
+
+    input_ids, _, target_ids = packed_batch()
+    rows = []
+    for row, lengths in enumerate(DOCUMENTS):
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        rows.append(
+            torch.cat(
+                [
+                    model(input_ids=input_ids[row : row + 1, e - n : e], use_cache=False).logits
+                    for n, e in zip(lengths, ends)
+                ],
+                1,
+            )
+        )
+    logits = torch.cat(rows)
+    loss = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), ignore_index=-100)
+    loss.backward()
+    grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad) for n, p in model.named_parameters()}
+    return logits.detach(), loss.item(), grads
+
+
+def padded_batch():
+    """Row 0 left-padded by 11 tokens, row 1 right-padded by 7."""
+    input_ids, _, target_ids = packed_batch()
+    mask = torch.ones_like(input_ids)
+    mask[0, :11], mask[1, -7:] = 0, 0
+    target_ids = target_ids.masked_fill(mask == 0, -100)
+    return input_ids, target_ids, mask
+
+
+def masked_step(model, input_ids, target_ids, mask, group=None, position_ids=None):
+    import torch.nn.functional as F
+
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+    loss_sum = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), ignore_index=-100, reduction="sum")
+    count = (target_ids != -100).sum().to(loss_sum.dtype)
+    stats = torch.stack([loss_sum.detach(), count])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    (loss_sum / stats[1]).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        grads[name] = grad
+    return logits.detach() * mask[..., None], (stats[0] / stats[1]).item(), grads  # padding's logits are not read
+
+
+def _documents_worker(rank, world_size):
+    from easy_context import gather_seq_parallel_outputs, prepare_seq_parallel_inputs
+
+    found = {}
+    for model_type in FAMILIES:
+        packed_want = each_document_alone(model_of(model_type))
+        padded_want = masked_step(model_of(model_type), *padded_batch())
+        for mode in ("zigzag_ring_attn", "ulysses_attn"):
+            for strategy in STRATEGIES:
+                model = model_of(model_type)
+                apply_seq_parallel_monkey_patch(mode, model, mixer_strategy=strategy)
+                group = active_patch().groups().sp
+                input_ids, position_ids, target_ids = packed_batch()
+                local = prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, "cpu")
+                got = sweep_models._step(
+                    model, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], group
+                )
+                found[("packed", model_type, mode, strategy)] = errors(
+                    (gather_seq_parallel_outputs(mode, got[0]), *got[1:]), packed_want
+                )
+                model = model_of(model_type)
+                input_ids, target_ids, mask = padded_batch()
+                local = prepare_seq_parallel_inputs(
+                    mode, input_ids, None, target_ids, rank, world_size, "cpu", attention_mask=mask
+                )
+                got = masked_step(
+                    model,
+                    local["local_input_ids"],
+                    local["local_target_ids"],
+                    local["local_attention_mask"],
+                    group,
+                    local["local_position_ids"],
+                )
+                found[("padded", model_type, mode, strategy)] = errors(
+                    (gather_seq_parallel_outputs(mode, got[0]), *got[1:]), padded_want
+                )
+                remove_seq_parallel_monkey_patch()
+    # a model left to its default positions (0.. on every shard) would read a document per shard
+    model = model_of("bamba")  # mixers only: no attention layer to notice
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    local = prepare_seq_parallel_inputs("zigzag_ring_attn", *packed_batch()[:1], None, None, rank, world_size, "cpu")
+    try:
+        model(input_ids=local["local_input_ids"], use_cache=False)
+        found["default positions"] = None
+    except ValueError as error:
+        found["default positions"] = str(error)
+    remove_seq_parallel_monkey_patch()
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_packed_documents_are_exact_against_each_document_alone_and_padding_against_the_padded_model():
+    """Every mixer's state restarts at each document, in runs that a document start cuts and at a
+    run's first token (2 ranks, zigzag's two runs per rank and ulysses' one, both strategies)."""
+    found = run_ranks(_documents_worker, 2, timeout=560)[0]
+    refusal = found.pop("default positions")
+    assert refusal is not None and "are the model's default (0..63 on every rank)" in refusal, refusal
+    failed = []
+    for case, (logits, loss, grads) in found.items():
+        print(f"{case}: logits {logits:.1e} loss {loss:.1e} grads {grads:.1e}")
+        if not (logits <= LOGITS_TOL and loss <= LOSS_TOL and grads <= GRAD_TOL):
+            failed.append(case)
+    assert not failed, failed
+
+
 def _bf16_worker(rank, world_size):
     found = {}
     for model_type in FAMILIES:
@@ -142,6 +273,8 @@ def _bytes_worker(rank, world_size):
                 seq = sweep_models.SEQ
                 runs = max(len(local_pieces(layout, seq, r)) for r in range(world_size))
                 declared = sum(traffic(strategy, s) for s in mixer_shapes(model, 1, seq, world_size, runs))
+                if model_type != "mamba2":  # Mamba2Model takes no position_ids: one document per row
+                    declared += positions_traffic(1, seq, world_size)
                 found[(name, mode, strategy)] = (CommCounter.instance.bytes, declared)
     return found
 
