@@ -133,6 +133,7 @@ SLOW = {
         "test_trainer_matches_single_process",
         "test_trainer_misuse_on_two_ranks",
         "test_trainer_resume_from_checkpoint",
+        "test_trainer_trains_a_hybrid_like_one_process",
         "test_trainer_world_4",
     },
 }

@@ -39,6 +39,19 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(config)
 
 
+def tiny_of(model_type: str, seed: int = 0):
+    """The sweep's tiny model of `model_type` (tools/tiny_configs.py) with the byte tokenizer's vocabulary."""
+    import transformers
+
+    from easy_context.hf.architectures import attn_implementation
+    from tools.tiny_configs import tiny_config
+
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, vocab_size=VOCAB, pad_token_id=256, eos_token_id=256, bos_token_id=256)
+    config._attn_implementation = attn_implementation(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def tokenizer(padding_side: str = "right"):
     from easy_context.programs.data import byte_tokenizer
 
@@ -72,7 +85,8 @@ def _as_distributed(rank: int, world: int) -> None:
 
 
 def train(rank: int, world: int, spec: dict) -> dict:
-    """spec: mode, options, collator, batch, accumulate, steps, out, save_steps, resume, sft, lora (a rank)."""
+    """spec: mode, options, collator, batch, accumulate, steps, out, save_steps, resume, sft, lora (a rank),
+    model_type (a tiny model of that type; default a tiny Llama)."""
     _as_distributed(rank, world)
     from datasets import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -107,7 +121,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    model = tiny_llama()
+    model = tiny_llama() if spec.get("model_type") is None else tiny_of(spec["model_type"])
     if spec.get("lora"):  # rank-r adapters on the attention projections; the base frozen
         from easy_context.programs.lora import add_lora
 

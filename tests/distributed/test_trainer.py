@@ -101,6 +101,20 @@ def test_trainer_left_padding_and_document_split():
 
 
 @pytest.mark.timeout(300)
+def test_trainer_trains_a_hybrid_like_one_process():
+    """Qwen3-Next (Gated DeltaNet layers and attention) under the Trainer: right-padded rows, the
+    mixers by state passing. (Packed rows differ from one process by design: its torch path
+    carries the state across documents, ours restarts it; tests/distributed/test_hybrids.py
+    compares packed rows against each document alone.)"""
+    spec = dict(model_type="qwen3_next", options={"mixer_strategy": "state_passing"})
+    with tempfile.TemporaryDirectory() as out:
+        reference = run_ranks(
+            train, 1, dict(BASE, mode=None, collator="padded", out=out, model_type="qwen3_next"), timeout=240
+        )[0]
+    _assert_exact(_run(2, "zigzag_ring_attn", "padded", **spec), reference)
+
+
+@pytest.mark.timeout(300)
 def test_trainer_resume_from_checkpoint():
     """save_steps=2, then a new Trainer resumes from checkpoint-2: the same step-3 loss and
     final weights as the single-process run without interruption."""
