@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_size", "rank", "all_gather", "all_gather_with_grad", "fingerprint", "check_same"]
+__all__ = ["world_size", "rank", "all_gather", "all_gather_with_grad", "broadcast", "fingerprint", "check_same"]
 
 
 def world_size() -> int:
@@ -49,6 +49,15 @@ class _AllGather(torch.autograd.Function):
         received = torch.empty_like(grad)
         dist.all_to_all_single(received, grad, group=ctx.group)
         return received.sum(dim=0), None
+
+
+def broadcast(tensor: torch.Tensor, source: int, group) -> torch.Tensor:
+    """`tensor` of the group's rank `source` on every rank (others pass a tensor of the same
+    shape and dtype to receive into); not differentiable."""
+    if group is not None:
+        tensor = tensor.contiguous()
+        dist.broadcast(tensor, group=group, group_src=source)
+    return tensor
 
 
 def all_gather_with_grad(x: torch.Tensor, group) -> torch.Tensor:

@@ -75,8 +75,10 @@ class SequenceParallel:
         self.heads = tuple(heads)
         self.decoding = None  # generation's ShardedKVCache while it decodes: attention goes to the cache
         # while generation prefills S - 1 prompt tokens: the prompt's last position (a tensor),
-        # the length the one-process prefill's RoPE sees (hf/rope.py)
+        # the length the one-process prefill's RoPE sees (hf/rope.py), and the index of the last
+        # prefilled token, after which hybrid layers keep their states in the cache (hf/mixers.py)
         self.prefill_last_position = None
+        self.prefill_end = None
 
     # ------------------------------------------------------------ what it is
     @property
@@ -233,13 +235,15 @@ class SequenceParallel:
             self.decoding = previous
 
     @contextlib.contextmanager
-    def prefilling(self, last_position: torch.Tensor):
-        """While generation prefills part of a prompt whose largest position is `last_position`."""
-        previous, self.prefill_last_position = self.prefill_last_position, last_position
+    def prefilling(self, last_position: torch.Tensor, end: int):
+        """While generation prefills part of a prompt whose largest position is `last_position`
+        and whose last prefilled token is the sequence's `end`-th (0-based)."""
+        previous = self.prefill_last_position, self.prefill_end
+        self.prefill_last_position, self.prefill_end = last_position, end
         try:
             yield
         finally:
-            self.prefill_last_position = previous
+            self.prefill_last_position, self.prefill_end = previous
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in self.options.items() if v is not None)

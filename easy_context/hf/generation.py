@@ -24,6 +24,7 @@ import torch
 
 from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
+from easy_context.hf import mixers as hf_mixers
 from easy_context.hf.architectures import model_types_of, sequence_mixers
 from easy_context.hf.context import OPTIONS, active, context_for, setup
 from easy_context.hf.sharded_cache import ShardedKVCache, kv_bytes
@@ -72,8 +73,9 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.T
     kwargs["use_cache"] = True
     if not context.sequence_parallel:  # data_parallel: each rank generates on its own
         return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
-    mixers = sequence_mixers(sys.modules[type(model).__module__], model.config.get_text_config())
-    if mixers:
+    module = sys.modules[type(model).__module__]
+    mixers = sequence_mixers(module, model.config.get_text_config())
+    if mixers and not hf_mixers.covers(module):
         raise ValueError(
             f"generate: the model has layers besides attention ({', '.join(mixers)}); a sharded cache of their "
             "recurrent and convolution states is not implemented: generate with model.generate in one process, "
@@ -91,7 +93,7 @@ def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.T
             )
     _check_same_everywhere(context, input_ids, attention_mask, bool(getattr(config, "do_sample", False)))
 
-    cache = ShardedKVCache(groups.sp, groups.sp_rank, groups.topology.sp_size)
+    cache = ShardedKVCache(groups.sp, groups.sp_rank, groups.topology.sp_size, model.config if mixers else None)
     with torch.no_grad():
         _prefill(context, model, cache, input_ids, attention_mask)
     cache.finish_prefill(input_ids.shape[0], input_ids.device)
@@ -206,7 +208,7 @@ def _prefill(context, model, cache: ShardedKVCache, input_ids, attention_mask) -
     index = columns.masked_fill(columns >= length, -1)
     cache.start_prefill(index, mask[:, columns].bool(), length)
     # RoPE whose frequencies follow the length sees the whole prompt's, as in model.generate's prefill
-    with context.prefilling(whole.max()):
+    with context.prefilling(whole.max(), length - 1):
         model(
             input_ids=local["local_input_ids"],
             position_ids=local["local_position_ids"],

@@ -14,8 +14,11 @@ document: the forward's position_ids are read where the model builds its recurre
 (`create_recurrent_attention_mask`, another module global), gathered over the SP group once per
 forward, and handed to mixers/ as the documents' starts.
 
-Which hybrids this covers is what `unsupported_mixers` says (the sweep runs the rest to prove
-them); generation (a cache) and document_split are refused for them, naming the limit.
+Generation (easy_context.generate): the sharded prefill keeps, in transformers' own layer
+caches, the states after the prompt's last prefilled token (computed by the rank that holds it,
+by state passing, and broadcast); decoding steps run the layers as one process does, on every
+rank (hf/sharded_cache.py says why). Which hybrids this covers is what `unsupported_mixers` says
+(the sweep runs the rest to prove them); document_split is refused for them.
 """
 
 from __future__ import annotations
@@ -113,11 +116,8 @@ def _sharding():
     groups = context.groups()
     if groups.sp is None:
         return None, None
-    if context.decoding is not None:
-        raise ValueError(
-            "generation with a sharded cache is not implemented for hybrid layers (recurrent and convolution "
-            "states); generate with model.generate on one process, or parallel_mode='data_parallel'"
-        )
+    if context.decoding is not None:  # every rank runs the step's tokens whole, with the whole states
+        return None, None
     if context.document_split:
         raise ValueError("document_split is not implemented for hybrid layers; apply the patch without it")
     return groups, context
@@ -168,11 +168,18 @@ def _conv_forward(module, original):
         groups, context = _sharding()
         if groups is None:
             return original(conv1d, hidden_states, cache, layer_idx, activation, state_idx, **kwargs)
-        _refuse_cache(cache)
+        keep = _kept(cache, context)
         sharding = _sharded(module, groups, context, hidden_states.shape[0], hidden_states.shape[-1])
         weight = conv1d.weight.squeeze(1)
         conv = module.causal_conv1d_fn
-        return families.causal_conv(conv, hidden_states, weight, sharding, bias=conv1d.bias, activation=activation)
+        result = families.causal_conv(
+            conv, hidden_states, weight, sharding, keep, bias=conv1d.bias, activation=activation
+        )
+        if keep is None:
+            return result
+        out, state = result
+        cache.update_conv_state(state, layer_idx, state_idx=state_idx, conv_kernel_size=conv1d.kernel_size[0])
+        return out
 
     return causal_conv1d_forward
 
@@ -182,11 +189,11 @@ def _mamba2_scan_forward(module, original):
         groups, context = _sharding()
         if groups is None:
             return original(mixer, hidden_states, B, C, dt, cache, **kwargs)
-        _refuse_cache(cache)
+        keep = _kept(cache, context)
         batch, local_len, _ = hidden_states.shape
         sharding = _sharded(module, groups, context, batch, local_len)
-        strategy = choose_strategy(context.mixer_strategy, mixer.num_heads, mixer.n_groups, sharding.size)
-        y = families.mamba2_scan(
+        strategy = _strategy(context, mixer.num_heads, mixer.n_groups, sharding.size)
+        result = families.mamba2_scan(
             module.mamba2_chunk_scan,
             hidden_states.view(batch, local_len, mixer.num_heads, mixer.head_dim),
             dt,
@@ -199,7 +206,12 @@ def _mamba2_scan_forward(module, original):
             D=mixer.D,
             dt_bias=mixer.dt_bias,
             dt_limit=mixer.time_step_limit,
+            keep=keep,
         )
+        if keep is None:
+            return result.reshape(batch, local_len, -1)
+        y, state = result
+        cache.update_recurrent_state(state, mixer.layer_idx)
         return y.reshape(batch, local_len, -1)
 
     return mamba2_scan_forward
@@ -217,28 +229,44 @@ def _fused_mamba2(module, original):
 def _gated_delta_rule(module, original):
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, *args, initial_state=None, **kwargs):
         groups, context = _sharding()
-        if groups is None or initial_state is not None:
-            if groups is not None:
-                _refuse_cache(initial_state)
+        if groups is None:
             return original(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+        if initial_state is not None:  # a sharded forward continuing a cache's state
+            raise ValueError(
+                "a sharded forward of a gated delta rule layer cannot continue from a cached state; generate with "
+                "easy_context.generate"
+            )
         if args:
             raise TypeError(f"torch_chunk_gated_delta_rule: unexpected positional arguments {len(args)}")
         options = {k: kwargs[k] for k in ("chunk_size", "use_qk_l2norm_in_kernel") if k in kwargs}
         sharding = _sharded(module, groups, context, query.shape[0], query.shape[1])
+        # the layer asks for the final state when it has a cache (the prefill's), and stores it itself
+        keep = context.prefill_end if kwargs.get("output_final_state") else None
         # heads: the value heads; "groups": the query/key heads each serves several of
-        strategy = choose_strategy(context.mixer_strategy, value.shape[2], key.shape[2], sharding.size)
-        out, _ = families.gated_delta_rule(original, query, key, value, g, beta, sharding, strategy, **options)
-        return out, None
+        strategy = _strategy(context, value.shape[2], key.shape[2], sharding.size)
+        return families.gated_delta_rule(original, query, key, value, g, beta, sharding, strategy, keep, **options)
 
     return torch_chunk_gated_delta_rule
 
 
-def _refuse_cache(cache) -> None:
-    if cache is not None:
+def _kept(cache, context) -> int | None:
+    """The position after which a sharded forward keeps the states in `cache`: generation's
+    prefill (easy_context.generate) keeps them after its last token; another cache is refused."""
+    if cache is None:
+        return None
+    if context.prefill_end is None:
         raise ValueError(
-            "a cache in a sharded forward of a hybrid layer (generation) is not implemented; call the model with "
-            "use_cache=False"
+            "a cache in a sharded forward of a hybrid layer is for easy_context.generate's prefill; call the model "
+            "with use_cache=False, or generate with easy_context.generate"
         )
+    return context.prefill_end
+
+
+def _strategy(context, heads: int, groups: int, size: int) -> str:
+    # generation's prefill keeps a state that one rank's run ends in: state passing has it there
+    if context.prefill_end is not None:
+        return "state_passing"
+    return choose_strategy(context.mixer_strategy, heads, groups, size)
 
 
 _REPLACEMENTS = {

@@ -8,6 +8,14 @@ rank gets bitwise the same result). The token with sequence index i is kept by S
 so the cache stays balanced. With the first layer's (out, lse) of a step goes a checksum of
 the queries; its verdict is read at the next step: one host sync per token, none per layer.
 
+Hybrid models' recurrent and convolution layers (hf/mixers.py) keep transformers' own layer
+caches (LinearAttentionLayer): the prefill writes the states after the prompt's last prefilled
+token, which the rank holding it computed and broadcast, so each rank holds the whole state,
+the same everywhere. A decoding step runs those layers as one process would, on every rank: the
+step's tokens are the same everywhere, and the states are O(1) in the sequence's length (a
+convolution's last kernel inputs, a scan's state), so one copy per rank costs no more memory
+than one K/V slot per token does and no communication per step.
+
 Where the hook sits: the patch's attention dispatcher hands a layer's call to the cache's `attend`
 while a ShardedKVCache is decoding (`SequenceParallel.decoding_with(cache)`); the prefill goes through the
 mode's own attention. Masks: padding (left-padded batches) and per-layer sliding windows are
@@ -20,7 +28,7 @@ import bisect
 import math
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from easy_context.core import collectives
 from easy_context.core.blocks import fold_sinks, merge_block
@@ -72,6 +80,44 @@ class _ShardLayer(DynamicLayer):
             self.keys, self.values = (x.index_select(0, index.to(x.device)) for x in (self.keys, self.values))
 
 
+def _mixer_layers(config) -> list:
+    """The cache layers of a hybrid model, from transformers' own reading of its config: a
+    shard of K/V for attention, transformers' linear-attention layer (whole states) for a mixer,
+    both for a layer that has both."""
+    from transformers.cache_utils import (
+        DYNAMIC_LAYER_TYPE_MAPPING,
+        LinearAttentionCacheLayerMixin,
+        LinearAttentionLayer,
+        get_layer_types_and_kwargs,
+    )
+
+    class _MixerLayer(LinearAttentionLayer):
+        def select_batch(self, index: torch.Tensor) -> None:
+            self.reorder_cache(index)
+
+    class _ShardAndMixerLayer(LinearAttentionLayer, _ShardLayer):
+        def __init__(self, number_of_states: int = 1, **kwargs):
+            _ShardLayer.__init__(self)
+            LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+        def select_batch(self, index: torch.Tensor) -> None:
+            self.reorder_cache(index)
+            _ShardLayer.select_batch(self, index)
+
+    layers = []
+    for kind, kwargs in zip(*get_layer_types_and_kwargs(config.get_text_config(decoder=True))):
+        found = DYNAMIC_LAYER_TYPE_MAPPING.get(kind)
+        linear = found is not None and issubclass(found, LinearAttentionCacheLayerMixin)
+        states = {"number_of_states": kwargs.get("number_of_states", 1)}
+        if linear and issubclass(found, CacheLayerMixin):
+            layers.append(_ShardAndMixerLayer(**states))
+        elif linear:
+            layers.append(_MixerLayer(**states))
+        else:
+            layers.append(_ShardLayer())
+    return layers
+
+
 def _copied(x: torch.Tensor, start: int, stop: int, capacity: int) -> torch.Tensor:
     copy = x.new_empty(*x.shape[:-2], capacity, x.shape[-1])
     copy[..., : stop - start, :] = x[..., start:stop, :]
@@ -86,8 +132,13 @@ class ShardedKVCache(Cache):
     sees as the cache length.
     """
 
-    def __init__(self, group, sp_rank: int, sp_size: int):
-        super().__init__(layer_class_to_replicate=_ShardLayer)
+    def __init__(self, group, sp_rank: int, sp_size: int, config=None):
+        """config: a hybrid model's, whose mixer layers get their states' caches up front (None:
+        every layer attention, its shard made at its first update)."""
+        if config is None:
+            super().__init__(layer_class_to_replicate=_ShardLayer)
+        else:
+            super().__init__(layers=_mixer_layers(config))
         self.group, self.rank, self.size = group, sp_rank, sp_size
         self.length = 0
         self.index: torch.Tensor | None = None  # (slots,) int64
@@ -150,7 +201,10 @@ class ShardedKVCache(Cache):
         """model.generate repeats each prompt (num_beams, num_return_sequences) before the
         first step but leaves a cache it was given as it is: repeat the cache alike."""
         repeats, rest = divmod(batch, self.valid.shape[0])
-        if rest or any(layer.is_initialized and layer.keys.shape[0] != self.valid.shape[0] for layer in self.layers):
+        if rest or any(
+            getattr(layer, "keys", None) is not None and layer.keys.shape[0] != self.valid.shape[0]
+            for layer in self.layers
+        ):
             raise RuntimeError(f"decoding a batch of {batch} rows with a cache of {self.valid.shape[0]} rows")
         self.batch_repeat_interleave(repeats)
 
@@ -290,5 +344,7 @@ def _queries_differ(checksums: list) -> torch.Tensor:
 def kv_bytes(cache) -> int:
     """Bytes of K/V a transformers cache holds on this rank (a ShardedKVCache: its shard, spare
     capacity included; a DynamicCache: everything)."""
-    tensors = [x for layer in getattr(cache, "layers", ()) for x in (layer.keys, layer.values) if x is not None]
+    layers = getattr(cache, "layers", ())
+    tensors = [x for layer in layers for x in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+    tensors = [x for x in tensors if x is not None]
     return sum(x.untyped_storage().nbytes() for x in tensors)

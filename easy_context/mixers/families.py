@@ -24,29 +24,42 @@ __all__ = ["causal_conv", "mamba2_scan", "gated_delta_rule"]
 
 
 # ---------------------------------------------------------------- convolution
-def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, sharding, **kwargs) -> torch.Tensor:
+def causal_conv(conv, x: torch.Tensor, weight: torch.Tensor, sharding, keep: int | None = None, **kwargs):
     """conv(x, weight, ...) on (B, C, S_local) as on the whole sequence: each run is convolved
-    after the last kernel - 1 inputs of the run before it (zeros before the first)."""
+    after the last kernel - 1 inputs of the run before it (zeros before the first). With `keep`
+    (a position), also the kernel's inputs that end there (B, C, kernel), on every rank: the
+    convolution state a cache holds after it."""
     width = weight.shape[-1] - 1
     runs = passing.split(x, sharding, dim=-1)
-    if width == 0:
-        return conv(x, weight, **kwargs)
     short = [run.shape[-1] for _, run in runs if run.shape[-1] < width]
     if short:
         raise ValueError(
             f"a run of {short[0]} tokens is shorter than the convolution's halo of {width}: use a longer sequence "
             "or fewer ranks"
         )
-    halos = passing.halos([run[..., -width:] for _, run in runs], sharding)
-    if sharding.starts is not None:
-        starts = passing.run_starts(sharding)
+    halos = passing.halos([run[..., -width:] for _, run in runs], sharding) if width else [x[..., :0]] * len(runs)
+    starts = passing.run_starts(sharding)
+    if width == 0:
+        out = conv(x, weight, **kwargs)
+    elif sharding.starts is not None:
         outs = [
             _conv_documents(conv, halo, run, start, weight, sharding, kwargs)
             for halo, (_, run), start in zip(halos, runs, starts)
         ]
-        return passing.join(outs, dim=-1)
-    outs = [conv(torch.cat([halo, run], dim=-1), weight, **kwargs)[..., width:] for halo, (_, run) in zip(halos, runs)]
-    return passing.join(outs, dim=-1)
+        out = passing.join(outs, dim=-1)
+    else:
+        outs = [
+            conv(torch.cat([halo, run], dim=-1), weight, **kwargs)[..., width:] for halo, (_, run) in zip(halos, runs)
+        ]
+        out = passing.join(outs, dim=-1)
+    if keep is None:
+        return out
+    _, local = passing.holder(sharding, keep)
+    mine = None
+    if local is not None:  # positions keep - width .. keep of [halo, run]
+        offset = keep - starts[local]
+        mine = torch.cat([halos[local], runs[local][1]], dim=-1)[..., offset : offset + width + 1]
+    return out, passing.from_holder(mine, x.new_empty(*x.shape[:2], width + 1), sharding, keep)
 
 
 def _conv_documents(conv, halo, run, start, weight, sharding, kwargs) -> torch.Tensor:
@@ -77,34 +90,65 @@ def _mamba2_decay(dt, A, dt_bias, dt_limit) -> torch.Tensor:
     return torch.exp((A.float() * dt).sum(dim=1))
 
 
-def mamba2_scan(scan, x, dt, A, B, C, sharding, strategy, *, chunk_size, D, dt_bias, dt_limit, **kwargs):
+def mamba2_scan(scan, x, dt, A, B, C, sharding, strategy, *, chunk_size, D, dt_bias, dt_limit, keep=None, **kwargs):
     """scan(x (B, S, H, P), dt (B, S, H), A (H,), B/C (B, S, G, N), ...) -> y (B, S, H, P) on
-    this rank's tokens, as on the whole sequence (transformers' mamba2_chunk_scan signature)."""
+    this rank's tokens, as on the whole sequence (transformers' mamba2_chunk_scan signature).
+    With `keep` (a position; state passing only), (y, the state after that position on every
+    rank)."""
     options = dict(chunk_size=chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit, **kwargs)
     if strategy == "head_exchange":
         return _mamba2_head_exchange(scan, x, dt, A, B, C, D, sharding, options)
     runs = _runs(sharding, x, dt, B, C)  # [(x, dt, B, C) of each run]
 
-    def final(xr, dtr, Br, Cr):
-        return scan(xr, dtr, A, Br, Cr, return_final_states=True, **options)[1]
+    def final(xr, dtr, Br, Cr, initial=None):
+        return scan(xr, dtr, A, Br, Cr, initial_states=initial, return_final_states=True, **options)[1]
 
     def output(xr, dtr, Br, Cr, initial):
         return scan(xr, dtr, A, Br, Cr, D=D, initial_states=initial, **options)
 
     finals = [final(*run) for run in runs]
     decays = [_mamba2_decay(dtr, A, dt_bias, dt_limit) for _, dtr, _, _ in runs]
-    if sharding.starts is not None:
-        return _scan_documents(runs, finals, decays, sharding, final, output, lambda d, h: d[..., None, None] * h)
-    starts = passing.carried(finals, decays, sharding, lambda decay, h: decay[..., None, None] * h)
-    outs = [output(*run, start) for run, start in zip(runs, starts)]
-    return passing.join(outs, dim=1)
+    return _pass_states(runs, finals, decays, sharding, final, output, lambda d, h: d[..., None, None] * h, keep)
+
+
+def _pass_states(runs, finals, transitions, sharding, final, output, apply, keep):
+    """State passing from the runs' summaries: this rank's output (B, S_local, ...) and, with
+    `keep`, the state after that position on every rank."""
+    if sharding.starts is None:
+        carried = passing.carried(finals, transitions, sharding, apply)
+        out = passing.join([output(*run, state) for run, state in zip(runs, carried)], dim=1)
+    else:
+        carried, out = _scan_documents(runs, finals, transitions, sharding, final, output, apply)
+    if keep is None:
+        return out
+    return out, _state_at(keep, runs, carried, sharding, final, finals[0])
+
+
+def _state_at(position, runs, carried, sharding, final, like):
+    """The state after `position`: its run, from the state carried into it (or from its
+    document's start), on the rank that holds it; broadcast to the others."""
+    _, local = passing.holder(sharding, position)
+    mine = None
+    if local is not None:
+        run, state, start = runs[local], carried[local], passing.run_starts(sharding)[local]
+        end = position - start + 1
+        rows = []
+        for row in range(run[0].shape[0]):
+            lo, begins = 0, False
+            if sharding.starts is not None:
+                lo, _, begins = passing.stretches(sharding, row, start, end)[-1]
+            initial = None if lo > 0 or begins else state[row : row + 1]
+            rows.append(final(*(x[row : row + 1, lo:end] for x in run), initial))
+        mine = torch.cat(rows)
+    return passing.from_holder(mine, like, sharding, position)
 
 
 def _scan_documents(runs, finals, transitions, sharding, final, output, apply):
-    """State passing over packed rows: a run's summary, row by row, is its own (no document
-    starts in it) or that of its last document from a zero start, with a zero transition (the
-    state restarts); each document of a run then scans from the state carried in (its first, if
-    it continues one from an earlier run) or from zeros. Rows and documents one kernel call each."""
+    """State passing over packed rows: (the states carried into this rank's runs, its output).
+    A run's summary, row by row, is its own (no document starts in it) or that of its last
+    document from a zero start, with a zero transition (the state restarts); each document of a
+    run then scans from the state carried in (its first, if it continues one from an earlier
+    run) or from zeros. Rows and documents one kernel call each."""
     starts = passing.run_starts(sharding)
     cuts = [
         [passing.stretches(sharding, row, start, run[0].shape[1]) for row in range(run[0].shape[0])]
@@ -133,7 +177,7 @@ def _scan_documents(runs, finals, transitions, sharding, final, output, apply):
                 parts.append(output(*(x[row : row + 1, lo:hi] for x in run), initial))
             rows.append(torch.cat(parts, dim=1))
         outs.append(torch.cat(rows))
-    return passing.join(outs, dim=1)
+    return carried, passing.join(outs, dim=1)
 
 
 def _runs(sharding, *tensors) -> list[tuple]:
@@ -190,10 +234,11 @@ def _to_seq(t: torch.Tensor, sharding, group) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- gated delta rule
-def gated_delta_rule(rule, q, k, v, g, beta, sharding, strategy, **kwargs):
-    """rule(q, k (B, S, H, dk), v (B, S, H, dv), g, beta (B, S, H), ...) -> (out, final state)
-    on this rank's tokens as on the whole sequence (transformers' torch_chunk_gated_delta_rule
-    signature); the final state is None (a sharded forward keeps no cache)."""
+def gated_delta_rule(rule, q, k, v, g, beta, sharding, strategy, keep=None, **kwargs):
+    """rule(q, k (B, S, H, dk), v (B, S, H, dv), g, beta (B, S, H), ...) -> (out, state) on this
+    rank's tokens as on the whole sequence (transformers' torch_chunk_gated_delta_rule
+    signature): the state is None, or with `keep` (a position; state passing only) the state
+    after that position, on every rank."""
     if strategy == "head_exchange":
         q, k, v, g, beta = (_to_heads(t, sharding) for t in (q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1)))
         out = _by_document(
@@ -204,8 +249,8 @@ def gated_delta_rule(rule, q, k, v, g, beta, sharding, strategy, **kwargs):
         return _to_seq(out, sharding, sharding.group), None
     runs = _runs(sharding, q, k, v, g, beta)
 
-    def final(qr, kr, vr, gr, br):
-        return rule(qr, kr, vr, g=gr, beta=br, output_final_state=True, **kwargs)[1]
+    def final(qr, kr, vr, gr, br, initial=None):
+        return rule(qr, kr, vr, g=gr, beta=br, initial_state=initial, output_final_state=True, **kwargs)[1]
 
     def output(qr, kr, vr, gr, br, initial):
         return rule(qr, kr, vr, g=gr, beta=br, initial_state=initial, output_final_state=False, **kwargs)[0]
@@ -217,12 +262,6 @@ def gated_delta_rule(rule, q, k, v, g, beta, sharding, strategy, **kwargs):
         dk = kr.shape[-1]
         eye = torch.eye(dk, dtype=finals[-1].dtype, device=kr.device).expand(*finals[-1].shape[:2], dk, dk)
         zero_values = torch.zeros(*vr.shape[:-1], dk, dtype=vr.dtype, device=vr.device)
-        transitions.append(
-            rule(qr, kr, zero_values, g=gr, beta=br, initial_state=eye, output_final_state=True, **kwargs)[1]
-        )
-    if sharding.starts is not None:
-        out = _scan_documents(runs, finals, transitions, sharding, final, output, lambda t, state: t @ state)
-        return out, None
-    starts = passing.carried(finals, transitions, sharding, lambda transition, state: transition @ state)
-    outs = [output(*run, start) for run, start in zip(runs, starts)]
-    return passing.join(outs, dim=1), None
+        transitions.append(final(qr, kr, zero_values, gr, br, eye))
+    result = _pass_states(runs, finals, transitions, sharding, final, output, lambda t, state: t @ state, keep)
+    return result if keep is not None else (result, None)

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from easy_context.core.collectives import all_gather_with_grad
+from easy_context.core.collectives import all_gather_with_grad, broadcast
 from easy_context.core.pieces import local_pieces, pieces
 
-__all__ = ["split", "join", "halos", "carried", "run_starts", "stretches", "document_start"]
+__all__ = ["split", "join", "halos", "carried", "run_starts", "stretches", "document_start", "holder", "from_holder"]
 
 
 def split(x: torch.Tensor, sharding, dim: int) -> list[tuple[int, torch.Tensor]]:
@@ -51,6 +51,24 @@ def stretches(sharding, row: int, start: int, length: int) -> list[tuple[int, in
 def document_start(sharding, row: int, position: int) -> int:
     """The first position of the document that holds `position` in `row`."""
     return int(torch.nonzero(sharding.starts[row, : position + 1]).max())
+
+
+def holder(sharding, position: int) -> tuple[int, int | None]:
+    """(the SP rank holding `position`, the index among this rank's runs of the run that holds
+    it, None on other ranks)."""
+    for local, (_, p) in enumerate(local_pieces(sharding.layout, sharding.seq_len, sharding.rank)):
+        if p.start <= position < p.start + p.length:
+            return sharding.rank, local
+    owner = next(p.rank for p in pieces(sharding.layout, sharding.seq_len) if p.start <= position < p.start + p.length)
+    return owner, None
+
+
+def from_holder(mine: torch.Tensor | None, like: torch.Tensor, sharding, position: int) -> torch.Tensor:
+    """The tensor the rank holding `position` computed (`mine` there, None elsewhere), on every
+    rank: one broadcast of a tensor shaped and typed like `like`."""
+    owner, _ = holder(sharding, position)
+    received = mine if mine is not None else torch.empty_like(like)
+    return broadcast(received, owner, sharding.group)
 
 
 def join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from easy_context import apply_seq_parallel_monkey_patch, generate, remove_seq_p
 from easy_context.core.pieces import local_pieces
 from easy_context.hf import active_patch
 from easy_context.hf.architectures import attn_implementation
-from easy_context.hf.mixers import mixer_shapes
+from easy_context.hf.mixers import mixer_layers, mixer_shapes
 from easy_context.mixers import STRATEGIES
 from easy_context.mixers.costs import positions_traffic, traffic
 from tools import sweep_models
@@ -70,14 +70,9 @@ def _usp_worker(rank, world_size):
             got = sharded_step(model_of(model_type, **overrides), "usp_attn", options, rank, world_size)
             remove_seq_parallel_monkey_patch()
             found[(model_type, strategy)] = errors(got, want)
-    # generation is refused, not run with an unsharded state
-    model = model_of("qwen3_next").eval()
-    try:
-        generate("usp_attn", model, torch.randint(3, 100, (1, 16)), max_new_tokens=2, ring_degree=2)
-        found["generate"] = None
-    except ValueError as error:
-        found["generate"] = str(error)
-    remove_seq_parallel_monkey_patch()
+    # generation: the prefill's runs cross Ulysses groups
+    model = with_long_memory(model_of("qwen3_next")).eval()
+    found["generate"] = compare_generation(model, "usp_attn", *prompts(2, 41, (0, 5)), ring_degree=2)
     return found
 
 
@@ -86,11 +81,12 @@ def test_every_family_under_ulysses_and_ring_at_four_ranks_in_both_strategies():
     """usp_attn at 4 ranks (2 Ulysses x 2 ring, zigzag): runs of the sequence cross Ulysses groups,
     a rank holds one or two of them, and head exchange runs over all four ranks."""
     found = run_ranks(_usp_worker, 4, timeout=560)[0]
-    refusal = found.pop("generate")
+    same, error = found.pop("generate")
+    print(f"usp_attn P=4 generate: tokens equal {same}, logits {error:.1e}")
+    assert same and error <= LOGITS_TOL
     for case, (logits, loss, grads) in found.items():
         print(f"usp_attn P=4 {case}: logits {logits:.1e} loss {loss:.1e} grads {grads:.1e}")
         assert logits <= LOGITS_TOL and loss <= LOSS_TOL and grads <= GRAD_TOL, case
-    assert refusal is not None and "generate: the model has layers besides attention (linear_attention" in refusal
 
 
 # two rows of SEQ = 128 tokens: documents that start inside runs (zigzag's runs are 32 tokens,
@@ -204,6 +200,14 @@ def _documents_worker(rank, world_size):
         found["default positions"] = None
     except ValueError as error:
         found["default positions"] = str(error)
+    # a cache outside easy_context.generate's prefill
+    model = model_of("qwen3_next")
+    apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
+    try:
+        model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"], use_cache=True)
+        found["cache"] = None
+    except ValueError as error:
+        found["cache"] = str(error)
     remove_seq_parallel_monkey_patch()
     return found
 
@@ -215,10 +219,83 @@ def test_packed_documents_are_exact_against_each_document_alone_and_padding_agai
     found = run_ranks(_documents_worker, 2, timeout=560)[0]
     refusal = found.pop("default positions")
     assert refusal is not None and "are the model's default (0..63 on every rank)" in refusal, refusal
+    refusal = found.pop("cache")
+    assert refusal is not None and "a cache in a sharded forward of a hybrid layer is for easy_context" in refusal
     failed = []
     for case, (logits, loss, grads) in found.items():
         print(f"{case}: logits {logits:.1e} loss {loss:.1e} grads {grads:.1e}")
         if not (logits <= LOGITS_TOL and loss <= LOSS_TOL and grads <= GRAD_TOL):
+            failed.append(case)
+    assert not failed, failed
+
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+
+
+def prompts(batch: int, length: int, left_pad=()):
+    ids = torch.randint(3, 100, (batch, length), generator=torch.Generator().manual_seed(length))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(left_pad):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+def compare_generation(model, mode, ids, mask, **options):
+    """(tokens equal, worst step-logits error) of easy_context.generate against one process's
+    model.generate, greedy, 12 new tokens."""
+    kwargs = dict(GREEDY, max_new_tokens=12)
+    want = model.generate(ids, attention_mask=mask, **kwargs)
+    try:
+        got = generate(mode, model, ids, attention_mask=mask, **kwargs, **options)
+    finally:
+        remove_seq_parallel_monkey_patch()
+    error = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
+    return torch.equal(got.sequences, want.sequences), error
+
+
+def with_long_memory(model):
+    """The tiny model with its scans' states weighing in the next tokens' logits: slow decay
+    (dt_bias -3: a state keeps most of itself per token), mixer inputs 5x and outputs 20x (random
+    initialisation makes states of 1e-6 and mixer outputs a small part of the residual), and no
+    skip connection (Mamba-2's D, which the output's norm would weigh against the state). A
+    decoding step from a state off by half then moves the logits by 1e-2 (Mamba-2) to 0.7 (the
+    gated delta rule), where at initialisation it moved them by 1e-6; a convolution state off by
+    half, by 1e-3 or more."""
+    with torch.no_grad():
+        for module, _ in mixer_layers(model):
+            module.out_proj.weight.mul_(20)
+            for name, child in module.named_children():
+                if name.startswith("in_proj"):
+                    child.weight.mul_(5)
+            if hasattr(module, "dt_bias"):
+                module.dt_bias.fill_(-3.0)
+            if hasattr(module, "D"):
+                module.D.zero_()
+    return model
+
+
+def _generation_worker(rank, world_size):
+    found = {}
+    for model_type in FAMILIES:
+        # the tiny Bamba is all mixers, which transformers' own generate cannot build masks for
+        overrides = {"attn_layer_indices": [1]} if model_type == "bamba" else {}
+        model = with_long_memory(model_of(model_type, **overrides)).eval()
+        for mode in ("zigzag_ring_attn", "ulysses_attn"):
+            # a prefill of 36 tokens (every run whole), and of 40 left-padded rows that the layout pads at the end
+            found[(model_type, mode, "one row")] = compare_generation(model, mode, *prompts(1, 37))
+            found[(model_type, mode, "left-padded")] = compare_generation(model, mode, *prompts(2, 42, (0, 9)))
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_generation_with_a_sharded_prefill_matches_one_process():
+    """easy_context.generate keeps the mixers' states after the sharded prefill (whole, on every
+    rank) and decodes as one process does: the same tokens, the same logits at every step."""
+    found = run_ranks(_generation_worker, 2, timeout=560)[0]
+    failed = []
+    for case, (same, error) in found.items():
+        print(f"{case}: tokens equal {same}, logits {error:.1e}")
+        if not (same and error <= LOGITS_TOL):
             failed.append(case)
     assert not failed, failed
 
