@@ -289,6 +289,15 @@ def run_type(model_type: str, rank: int, world_size: int) -> dict:
             results[key] = {"refused": refusal} if refusal else {"error": f"{type(error).__name__}: {error}"}
         finally:
             remove_seq_parallel_monkey_patch()
+    exact_so_far = all(isinstance(r, list) for key, r in results.items() if not key.startswith("_"))
+    if hf_mixers.covers(sys.modules[type(model).__module__]) and exact_so_far:
+        from tools import hybrid_checks
+
+        try:  # packed documents and generation (tools/hybrid_checks.py)
+            with admitted(model.config.model_type):
+                results.update(hybrid_checks.run(model, rank, world_size))
+        except Exception as error:  # noqa: BLE001
+            results["hybrid checks"] = {"error": f"{type(error).__name__}: {error}"}
     return results
 
 

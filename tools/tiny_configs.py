@@ -82,6 +82,9 @@ OVERRIDES: dict[str, dict] = {
     "mamba2": dict(hidden_size=64, num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, num_dense_layers=1),
     "lfm2": dict(layer_types=["conv", "full_attention"], num_hidden_layers=2),
+    # an attention layer besides the mixers (by default all mixers at two layers, and transformers'
+    # own generate cannot build an attention mask over a cache of mixer states alone)
+    "bamba": dict(attn_layer_indices=[1]),
 }
 
 

@@ -38,6 +38,7 @@ from easy_context.mixers.costs import MixerShape
 __all__ = [
     "SEAMS",
     "covers",
+    "forward_positions",
     "has_scans",
     "install",
     "mixer_layers",
@@ -150,6 +151,13 @@ def _document_starts(module, group, layout, local_len: int):
     starts = starts if bool(starts[:, 1:].any()) else None
     _gathered = (weakref.ref(positions), positions._version, starts)
     return starts
+
+
+def forward_positions(module):
+    """The local position_ids the latest sharded forward of a model of modeling `module` showed
+    its recurrent layers' mask (None: none, or another model's)."""
+    recorded_by, positions = _positions
+    return positions if recorded_by is module else None
 
 
 def _recurrent_mask(module, original):

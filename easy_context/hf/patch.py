@@ -94,9 +94,12 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
         attend = _compiled_attention(module, query, key, attention_mask, kwargs)
     elif cache is not None:
         window = kwargs.get("sliding_window")
+        layer_idx = module.layer_idx
+        if layer_idx is None or layer_idx < 0:  # a block shared by several layers (Zamba2): the index its update used
+            layer_idx = cache.updated_layer
 
         def attend(q, k, v, scale, **options):
-            return cache.attend(q, k, v, scale, module.layer_idx, window=window, **options)
+            return cache.attend(q, k, v, scale, layer_idx, window=window, **options)
     else:
         attend = _mode_attention(module, query, key, attention_mask, kwargs)
     scale = kwargs.get("scaling") or 1.0 / math.sqrt(query.shape[-1])
@@ -149,9 +152,10 @@ def _mode_attention(module, query, key, attention_mask, kwargs):
     groups = context.groups()
     layout = context.mode.layout(groups.topology)
     sharded = attention_mask if attention_mask is not None else ShardedMask(None)
-    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(
-        kwargs.get("sliding_window")
-    )
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:  # a hybrid that gives its attention none (Granite 4.0-H): those its mixers' mask saw
+        position_ids = mixers.forward_positions(sys.modules[type(module).__module__])
+    mask = sharded.resolve(module, position_ids, groups, layout, token_index).with_window(kwargs.get("sliding_window"))
 
     def attend(q, k, v, scale, **options):
         return context.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)

@@ -288,6 +288,11 @@ class ShardedKVCache(Cache):
         out, _ = fold_sinks(out, lse, sinks)
         return out.to(q.dtype)
 
+    @property
+    def updated_layer(self) -> int | None:
+        """The layer whose K/V the last update stored (its attention comes next)."""
+        return self._pending
+
     # ------------------------------------------ what transformers asks
     def raise_if_diverged(self) -> None:
         differ = [] if self._diverged is None else self._diverged.tolist()  # the step's one host sync

@@ -10,14 +10,15 @@ from exactness import errors
 from ranks import run_ranks
 
 from benchmarks.attention_comm import CommCounter
-from easy_context import apply_seq_parallel_monkey_patch, generate, remove_seq_parallel_monkey_patch
+from easy_context import apply_seq_parallel_monkey_patch, remove_seq_parallel_monkey_patch
 from easy_context.core.pieces import local_pieces
 from easy_context.hf import active_patch
 from easy_context.hf.architectures import attn_implementation
-from easy_context.hf.mixers import mixer_layers, mixer_shapes
+from easy_context.hf.mixers import mixer_shapes
 from easy_context.mixers import STRATEGIES
 from easy_context.mixers.costs import positions_traffic, traffic
 from tools import sweep_models
+from tools.hybrid_checks import compare_generation, each_document_alone, packed_batch, prompts, with_long_memory
 from tools.tiny_configs import tiny_config
 
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py
@@ -89,43 +90,6 @@ def test_every_family_under_ulysses_and_ring_at_four_ranks_in_both_strategies():
         assert logits <= LOGITS_TOL and loss <= LOSS_TOL and grads <= GRAD_TOL, case
 
 
-# two rows of SEQ = 128 tokens: documents that start inside runs (zigzag's runs are 32 tokens,
-# ulysses' 64) and at a run's first token, one shorter than a convolution's halo; and one document
-DOCUMENTS = ([40, 50, 38], [64, 2, 62])
-
-
-def packed_batch():
-    input_ids, target_ids = sweep_models._batch()
-    input_ids, target_ids = input_ids.repeat(2, 1), target_ids.repeat(2, 1)
-    input_ids[1] = input_ids[1].flip(0)
-    position_ids = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in DOCUMENTS])
-    return input_ids, position_ids, target_ids
-
-
-def each_document_alone(model):
-    """The unpatched model on each document by itself, the loss over all of them at once."""
-    import torch.nn.functional as F
-
-    input_ids, _, target_ids = packed_batch()
-    rows = []
-    for row, lengths in enumerate(DOCUMENTS):
-        ends = torch.tensor(lengths).cumsum(0).tolist()
-        rows.append(
-            torch.cat(
-                [
-                    model(input_ids=input_ids[row : row + 1, e - n : e], use_cache=False).logits
-                    for n, e in zip(lengths, ends)
-                ],
-                1,
-            )
-        )
-    logits = torch.cat(rows)
-    loss = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), ignore_index=-100)
-    loss.backward()
-    grads = {n: (torch.zeros_like(p) if p.grad is None else p.grad) for n, p in model.named_parameters()}
-    return logits.detach(), loss.item(), grads
-
-
 def padded_batch():
     """Row 0 left-padded by 11 tokens, row 1 right-padded by 7."""
     input_ids, _, target_ids = packed_batch()
@@ -192,7 +156,7 @@ def _documents_worker(rank, world_size):
                 )
                 remove_seq_parallel_monkey_patch()
     # a model left to its default positions (0.. on every shard) would read a document per shard
-    model = model_of("bamba")  # mixers only: no attention layer to notice
+    model = model_of("bamba")  # a mixer first: it refuses before any attention layer runs
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
     local = prepare_seq_parallel_inputs("zigzag_ring_attn", *packed_batch()[:1], None, None, rank, world_size, "cpu")
     try:
@@ -229,57 +193,10 @@ def test_packed_documents_are_exact_against_each_document_alone_and_padding_agai
     assert not failed, failed
 
 
-GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-
-
-def prompts(batch: int, length: int, left_pad=()):
-    ids = torch.randint(3, 100, (batch, length), generator=torch.Generator().manual_seed(length))
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(left_pad):
-        ids[row, :pad], mask[row, :pad] = 0, 0
-    return ids, mask
-
-
-def compare_generation(model, mode, ids, mask, **options):
-    """(tokens equal, worst step-logits error) of easy_context.generate against one process's
-    model.generate, greedy, 12 new tokens."""
-    kwargs = dict(GREEDY, max_new_tokens=12)
-    want = model.generate(ids, attention_mask=mask, **kwargs)
-    try:
-        got = generate(mode, model, ids, attention_mask=mask, **kwargs, **options)
-    finally:
-        remove_seq_parallel_monkey_patch()
-    error = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
-    return torch.equal(got.sequences, want.sequences), error
-
-
-def with_long_memory(model):
-    """The tiny model with its scans' states weighing in the next tokens' logits: slow decay
-    (dt_bias -3: a state keeps most of itself per token), mixer inputs 5x and outputs 20x (random
-    initialisation makes states of 1e-6 and mixer outputs a small part of the residual), and no
-    skip connection (Mamba-2's D, which the output's norm would weigh against the state). A
-    decoding step from a state off by half then moves the logits by 1e-2 (Mamba-2) to 0.7 (the
-    gated delta rule), where at initialisation it moved them by 1e-6; a convolution state off by
-    half, by 1e-3 or more."""
-    with torch.no_grad():
-        for module, _ in mixer_layers(model):
-            module.out_proj.weight.mul_(20)
-            for name, child in module.named_children():
-                if name.startswith("in_proj"):
-                    child.weight.mul_(5)
-            if hasattr(module, "dt_bias"):
-                module.dt_bias.fill_(-3.0)
-            if hasattr(module, "D"):
-                module.D.zero_()
-    return model
-
-
 def _generation_worker(rank, world_size):
     found = {}
     for model_type in FAMILIES:
-        # the tiny Bamba is all mixers, which transformers' own generate cannot build masks for
-        overrides = {"attn_layer_indices": [1]} if model_type == "bamba" else {}
-        model = with_long_memory(model_of(model_type, **overrides)).eval()
+        model = with_long_memory(model_of(model_type)).eval()
         for mode in ("zigzag_ring_attn", "ulysses_attn"):
             # a prefill of 36 tokens (every run whole), and of 40 left-padded rows that the layout pads at the end
             found[(model_type, mode, "one row")] = compare_generation(model, mode, *prompts(1, 37))
