@@ -152,10 +152,9 @@ def _mode_attention(module, query, key, attention_mask, kwargs):
     groups = context.groups()
     layout = context.mode.layout(groups.topology)
     sharded = attention_mask if attention_mask is not None else ShardedMask(None)
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:  # a hybrid that gives its attention none (Granite 4.0-H): those its mixers' mask saw
-        position_ids = mixers.forward_positions(sys.modules[type(module).__module__])
-    mask = sharded.resolve(module, position_ids, groups, layout, token_index).with_window(kwargs.get("sliding_window"))
+    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(
+        kwargs.get("sliding_window")
+    )
 
     def attend(q, k, v, scale, **options):
         return context.mode.attention(q, k, v, scale, groups, layer=module, mask=mask, **options)
