@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -208,12 +209,22 @@ def pytest_runtest_call(item):
         if item.module.__name__.rpartition(".")[2] not in NUMERIC or isinstance(first, _StartsProcessError):
             raise
         _restart_timeout(item)
+        _empty_tmp_path(item)
         item.runtest()  # a second failure raises here and fails the test
         import warnings
 
         summary = " ".join(str(first).split())[:400]
         warnings.warn(NumericRerunWarning(f"{item.nodeid} failed once, passed when run again: {summary}"), stacklevel=1)
         return None
+
+
+def _empty_tmp_path(item) -> None:
+    """The second run starts from an empty tmp_path: what the first wrote there (a finished
+    run's checkpoints, which --resume-from-checkpoint auto would resume) is not its input."""
+    path = getattr(item, "funcargs", {}).get("tmp_path")
+    if path is not None:
+        for child in path.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
 def _restart_timeout(item) -> None:

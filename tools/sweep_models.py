@@ -128,12 +128,14 @@ def _errors(got, want, truth=None):
     return logits, loss, grad, used
 
 
-def _step(model, input_ids, position_ids, target_ids, group):
+def _step(model, input_ids, position_ids, target_ids, group, attention_mask=None):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    logits = model(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+    ).logits
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     loss_sum = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), ignore_index=-100, reduction="sum")
     stats = torch.stack([loss_sum.detach(), (target_ids != -100).sum().to(loss_sum.dtype)])

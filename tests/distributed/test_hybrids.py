@@ -100,22 +100,9 @@ def padded_batch():
 
 
 def masked_step(model, input_ids, target_ids, mask, group=None, position_ids=None):
-    import torch.nn.functional as F
-
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
-    loss_sum = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), ignore_index=-100, reduction="sum")
-    count = (target_ids != -100).sum().to(loss_sum.dtype)
-    stats = torch.stack([loss_sum.detach(), count])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    (loss_sum / stats[1]).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
-        if group is not None:
-            dist.all_reduce(grad, group=group)
-        grads[name] = grad
-    return logits.detach() * mask[..., None], (stats[0] / stats[1]).item(), grads  # padding's logits are not read
+    """sweep_models._step with a padding mask; padding's logits are not compared."""
+    logits, loss, grads = sweep_models._step(model, input_ids, position_ids, target_ids, group, attention_mask=mask)
+    return logits * mask[..., None], loss, grads
 
 
 def _documents_worker(rank, world_size):
