@@ -1,10 +1,10 @@
 """Long runs that survive faults: train.py under torchrun --max-restarts 3 with
 --resume-from-checkpoint auto (the same command for every attempt), while tests/chaos.py kills
 ranks from outside: SIGKILL at random steps, one of them inside a checkpoint save, and a rank
-stopped with SIGSTOP. Each job finishes with the weights of an uninterrupted run: bit for bit
-under DDP and FSDP2, within the documented last bits under DeepSpeed ZeRO-3 (its cpu_adam
-recomputes beta^t on resume, tests/programs/test_deepspeed.py). The kill steps and ranks are
-drawn at random; the seed is printed, and CHAOS_SEED=n replays a run."""
+stopped with SIGSTOP. Each job finishes with the weights of an uninterrupted run, bit for bit,
+under DDP and FSDP2. (DeepSpeed ZeRO-3's resume is tested in tests/programs/test_deepspeed.py;
+its chaos run is not in CI: CI time.) The kill steps and ranks are drawn at random; the seed is
+printed, and CHAOS_SEED=n replays a run."""
 
 import os
 import random
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from chaos import Fault, run
-from ranks import require_deepspeed
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,11 +24,10 @@ RESTARTS = 3
 SETTINGS = {"ddp": [], "fsdp2": ["--fsdp"]}
 
 
-def random_faults(seed: int, kills: int = 3, earliest: int = 1) -> list[Fault]:
-    """`kills` SIGKILLs of a random rank at increasing random steps from `earliest` on, one
-    inside a save."""
+def random_faults(seed: int, kills: int = 3) -> list[Fault]:
+    """`kills` SIGKILLs of a random rank at increasing random steps, one inside a save."""
     draw = random.Random(seed)
-    first = draw.randint(earliest, min(earliest + 2, STEPS - 5))  # a save follows it before the last steps
+    first = draw.randint(1, 3)
     save = draw.choice([s for s in range(first + 1, STEPS - 2) if s % EVERY == 0])
     faults = [Fault(first, draw.randint(0, 1)), Fault(save, draw.randint(0, 1), in_save=True)]
     if kills > 2:
@@ -100,19 +98,3 @@ def test_a_stopped_rank_is_detected_within_the_timeout_and_the_job_continues(tmp
     assert_resumed_after_each_fault(output, faults)
     got, want = weights(tmp_path / "stopped"), uninterrupted("ddp")
     assert all(torch.equal(got[k], want[k]) for k in want)
-
-
-@pytest.mark.timeout(900)
-def test_deepspeed_zero3_survives_kills_within_its_resume_tolerance(tmp_path, uninterrupted):
-    require_deepspeed()
-    config = ROOT / "accelerate_configs" / "cpu_zero3_offload.yaml"
-    env = {"DS_ACCELERATOR": "cpu"}
-    # From step 4 on: cpu_adam's resume differs by an ulp that Adam grows while its second
-    # moments are near zero (measured 1.04e-5 after a resume from step 0 or 2); test_deepspeed's
-    # bound is for a resume with warm moments, which a resume from step 4 or 6 has.
-    faults = random_faults(seed(), kills=2, earliest=4)
-    code, output = run(tmp_path / "chaos", FLAGS, faults, RESTARTS, 800, config, env)
-    assert code == 0, output[-4000:]
-    assert_resumed_after_each_fault(output, faults)
-    got, want = weights(tmp_path / "chaos"), uninterrupted("deepspeed", (), config, env)
-    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5  # test_deepspeed.py's resume bound
