@@ -2,9 +2,9 @@
 
 Tiers:
     python -m pytest                  everything (the README's and CI's command)
-    python -m pytest -m "not slow"    the fast tier: one process, no scripts (about 10 s idle)
+    python -m pytest -m "not slow"    the fast tier: one process, no scripts (under a minute)
 
-A test is slow when it starts processes: spawned gloo ranks (tests/ranks.py), torchrun,
+A test is slow when it starts processes: gloo ranks (tests/ranks.py), torchrun,
 or a script in a subprocess. `SLOW` below lists them; nothing else marks tests. A test that is
 not listed and starts a process fails at once with a message naming this file, so the list
 stays true as tests are added.
