@@ -46,14 +46,14 @@ check_supported("torch", "transformers")  # one clear message, before a missing 
 from easy_context.hf.api import (  # noqa: E402
     apply_seq_parallel_monkey_patch,
     gather_seq_parallel_outputs,
+    generate,
     prepare_dataloader,
     prepare_seq_parallel_inputs,
+    prepare_trainer,
     remove_seq_parallel_monkey_patch,
 )
 from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES  # noqa: E402
 from easy_context.hf.context import SequenceParallel, setup, teardown  # noqa: E402
-from easy_context.hf.generation import generate  # noqa: E402
-from easy_context.hf.trainer import prepare_trainer  # noqa: E402
 from easy_context.modes import BUILT_MODES, MODE_NAMES  # noqa: E402
 
 __version__ = "0.1.0"

@@ -34,8 +34,8 @@ MOVED = {
     "api": "hf.api",
     "architectures": "hf.architectures",
     "replicas": "hf.replicas",
-    "generation": "hf.generation",
-    "trainer": "hf.trainer",
+    "generation": "hf.api",  # release 0.1's generate, ShardedKVCache and kv_bytes
+    "trainer": "hf.api",  # release 0.1's prepare_trainer
     "launch": "programs.launch",
     "data": "programs.data",
     "data.rows": "programs.data.rows",

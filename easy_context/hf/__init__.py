@@ -2,14 +2,15 @@
 what runs on it (generation, the Trainer adapter, the replica guard).
 
     context.py        SequenceParallel: a mode with its options, topology and groups, resolved once
-    api.py            the EasyContext functions (apply_seq_parallel_monkey_patch, ...) over it
+    api.py            the functions named by mode (apply_seq_parallel_monkey_patch, generate,
+                      prepare_trainer, ...): each finds its context and calls it
     patch.py          dispatchers installed into transformers' attention and mask registries
     admission.py      what a model may bring (keywords, mask functions, head dims), checked per call
     architectures.py  the supported model types (one list) and why others are refused
     replicas.py       a guard: the ranks of an SP group must hold the same weights
-    generation.py     generate: prompt checks, sharded prefill, then transformers' decoding
+    generation.py     generate in a context: prompt checks, sharded prefill, then transformers' decoding
     sharded_cache.py  ShardedKVCache: the KV cache sharded over the SP group, exact attention per step
-    trainer.py        prepare_trainer: HF Trainer / TRL SFTTrainer in one line
+    trainer.py        prepare_trainer in a context: HF Trainer / TRL SFTTrainer in one line
     accelerate_parallelism.py  refuses accelerate's own context / sequence parallelism next to ours
 """
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from easy_context.hf.context import context_for, setup, teardown
+from easy_context.hf.context import OPTIONS, context_for, setup, teardown
+
+# Release 0.1's easy_context.generation also offered these; its old path now leads here (old_paths.py).
+from easy_context.hf.sharded_cache import ShardedKVCache, kv_bytes  # noqa: F401
 
 __all__ = [
     "apply_seq_parallel_monkey_patch",
@@ -23,6 +26,8 @@ __all__ = [
     "prepare_seq_parallel_inputs",
     "prepare_dataloader",
     "gather_seq_parallel_outputs",
+    "prepare_trainer",
+    "generate",
 ]
 
 
@@ -88,3 +93,30 @@ def gather_seq_parallel_outputs(
     document_split pass token_index=local["local_token_index"] (dim must be 1).
     """
     return context_for("gather_seq_parallel_outputs", mode, options).gather(local, dim=dim, token_index=token_index)
+
+
+def prepare_trainer(mode: str, trainer, **options):
+    """Make a transformers.Trainer (or a subclass such as TRL's SFTTrainer) train `mode`.
+
+    Call it after creating the trainer and before trainer.train(); every rank calls it.
+    Applies the monkey patch for the trainer's model type (if not applied yet) with
+    `options` (sp_size, ring_degree, document_split) and returns the same trainer.
+    """
+    # Options not given default to an active patch's for this mode (and may not contradict them).
+    return context_for("prepare_trainer", mode, options).trainer(trainer)
+
+
+def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    """`model.generate(input_ids, attention_mask=..., **kwargs)` with the prompt prefilled in
+    `mode`'s layout and the KV cache sharded over the SP group; returns what model.generate
+    returns, the same on every rank of the group.
+
+    Patches the model's type for `mode` when it is not patched yet (as prepare_trainer does).
+    Every rank of an SP group passes the same input_ids (B, S) and attention_mask (B, S)
+    (0 = padding; left padding, as for model.generate) and the same generate kwargs; sampling
+    needs the same seed on every rank (torch.manual_seed). Options sp_size, ring_degree,
+    document_split as everywhere else; other keywords go to model.generate (max_new_tokens,
+    do_sample, num_beams, ...).
+    """
+    options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
+    return context_for("generate", mode, options).generate(model, input_ids, attention_mask, **kwargs)

@@ -23,6 +23,8 @@ from easy_context.core.global_mask import check_padding
 from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get_groups, ranks_per_node
 from easy_context.core.layout import RowLayout
 from easy_context.hf import architectures, patch, replicas
+from easy_context.hf.generation import generate_in
+from easy_context.hf.trainer import prepare
 from easy_context.mixers import STRATEGIES
 from easy_context.modes import SeqParallelMode, get_mode, modes_with
 
@@ -102,6 +104,11 @@ class SequenceParallel:
 
     def layout(self, world_size: int | None = None):
         return self.mode.layout(self.topology(world_size))
+
+    def installed_for(self, model_or_type) -> SequenceParallel:
+        """setup() of this mode with these options for another model (or type, or config): the
+        installed context that also patches its type."""
+        return setup(self.mode, model_or_type, **self.options)
 
     def with_options(self, where: str, options: dict) -> SequenceParallel:
         """This context with a call's options, which default to (and may not contradict) its own."""
@@ -215,14 +222,10 @@ class SequenceParallel:
     # ------------------------------------------------------------ programs on it
     def trainer(self, trainer):
         """The HF Trainer (or TRL SFTTrainer) trains in this context; returns the same trainer."""
-        from easy_context.hf.trainer import prepare
-
         return prepare(self, trainer)
 
     def generate(self, model, input_ids, attention_mask=None, **generate_kwargs):
         """model.generate with the prompt's KV cache sharded over the SP group."""
-        from easy_context.hf.generation import generate_in
-
         return generate_in(self, model, input_ids, attention_mask, **generate_kwargs)
 
     @contextlib.contextmanager

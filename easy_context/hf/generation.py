@@ -1,6 +1,7 @@
 """Generation at long context: the prompt's K/V sharded over the SP group, decoding exact.
 
-    generate(mode, model, input_ids, attention_mask=None, **options_and_generate_kwargs)
+    generate_in(context, model, input_ids, attention_mask=None, **generate_kwargs)
+    (easy_context.generate(mode, ...) and SequenceParallel.generate call it)
 
 Every rank of an SP group passes the same prompts (B, S) and gets the same output as one
 process's `model.generate` would give. How:
@@ -26,11 +27,11 @@ from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
 from easy_context.hf import mixers as hf_mixers
 from easy_context.hf.architectures import model_types_of, sequence_mixers
-from easy_context.hf.context import OPTIONS, active, context_for, setup
-from easy_context.hf.sharded_cache import ShardedKVCache, kv_bytes
+from easy_context.hf.patch import active
+from easy_context.hf.sharded_cache import ShardedKVCache
 from easy_context.versions import cache_keyword
 
-__all__ = ["generate", "ShardedKVCache", "kv_bytes"]
+__all__ = ["generate_in"]
 
 # generate() options that would bypass or fight the sharded cache.
 _REFUSED_KWARGS = {
@@ -45,24 +46,8 @@ _REFUSED_KWARGS = {
 
 
 # ------------------------------------------------------------------ generate
-def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
-    """`model.generate(input_ids, attention_mask=..., **kwargs)` with the prompt prefilled in
-    `mode`'s layout and the KV cache sharded over the SP group; returns what model.generate
-    returns, the same on every rank of the group.
-
-    Patches the model's type for `mode` when it is not patched yet (as prepare_trainer does).
-    Every rank of an SP group passes the same input_ids (B, S) and attention_mask (B, S)
-    (0 = padding; left padding, as for model.generate) and the same generate kwargs; sampling
-    needs the same seed on every rank (torch.manual_seed). Options sp_size, ring_degree,
-    document_split as everywhere else; other keywords go to model.generate (max_new_tokens,
-    do_sample, num_beams, ...).
-    """
-    options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
-    return context_for("generate", mode, options).generate(model, input_ids, attention_mask, **kwargs)
-
-
 def generate_in(context, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
-    """generate in a SequenceParallel context (SequenceParallel.generate)."""
+    """easy_context.generate in a SequenceParallel context (SequenceParallel.generate)."""
     for name, why in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"generate: {name} is not supported ({why})")
@@ -136,8 +121,7 @@ def _installed_for(context, model):
             "(apply the patch without document_split to generate)"
         )
     if installed is None or not set(model_types_of(model)) <= installed.model_types:
-        options = context.options if installed is None else installed.options
-        installed = setup(context.mode, model, **options)
+        installed = (installed or context).installed_for(model)
     if model.training:
         raise ValueError("generate: the model is in training mode; call model.eval() first")
     return installed

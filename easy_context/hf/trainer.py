@@ -1,4 +1,5 @@
-"""HF Trainer and TRL SFTTrainer in one line: prepare_trainer(mode, trainer, **options).
+"""HF Trainer and TRL SFTTrainer in one line: prepare_trainer(mode, trainer, **options) (hf/api.py),
+which runs `prepare` here in the call's context.
 
 The trainer keeps doing everything it does (DDP or DeepSpeed, gradient accumulation,
 evaluation, checkpoints, resume); four things change, each for a reason:
@@ -36,10 +37,9 @@ from easy_context.core.groups import get_groups
 from easy_context.hf import replicas
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
 from easy_context.hf.architectures import check_training_config
-from easy_context.hf.context import context_for, setup
 from easy_context.versions import check_supported
 
-__all__ = ["prepare_trainer", "prepare"]
+__all__ = ["prepare"]
 
 IGNORE_INDEX = -100
 # Keys with one value per token that are sharded; the keys below restate the documents that
@@ -48,19 +48,8 @@ PER_TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attent
 RESTATED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-def prepare_trainer(mode: str, trainer, **options):
-    """Make a transformers.Trainer (or a subclass such as TRL's SFTTrainer) train `mode`.
-
-    Call it after creating the trainer and before trainer.train(); every rank calls it.
-    Applies the monkey patch for the trainer's model type (if not applied yet) with
-    `options` (sp_size, ring_degree, document_split) and returns the same trainer.
-    """
-    # Options not given default to an active patch's for this mode (and may not contradict them).
-    return context_for("prepare_trainer", mode, options).trainer(trainer)
-
-
 def prepare(context, trainer):
-    """prepare_trainer in a SequenceParallel context (SequenceParallel.trainer)."""
+    """easy_context.prepare_trainer in a SequenceParallel context (SequenceParallel.trainer)."""
     check_supported("accelerate")
     if isinstance(trainer, SeqParallelTrainerMixin):
         raise ValueError("prepare_trainer was already called on this trainer")
@@ -76,8 +65,7 @@ def prepare(context, trainer):
                 "(DistributedType.NO: no DDP, gradients never averaged); on a machine without CUDA "
                 "create the trainer with TrainingArguments(use_cpu=True)"
             )
-    options = {k: v for k, v in context.options.items() if v is not None}
-    context = setup(context.mode, config, **options)  # the config: its text decoder's type
+    context = context.installed_for(config)  # the config: its text decoder's type
     replicas.watch(trainer.model)
     if not context.sequence_parallel:  # data_parallel: the Trainer already is one
         return trainer
