@@ -44,6 +44,7 @@ from easy_context.programs.checkpointing import CheckpointError, Checkpoints
 from easy_context.programs.data import (
     BYTE_EOS_ID,
     StreamedRows,
+    balanced_epoch_order,
     byte_tokenizer,
     document_positions,
     open_rows,
@@ -195,9 +196,21 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--balance-documents",
-        action="store_true",
-        help="with --document-masking: the same attention work on every rank (document_split: every document "
-        "cut over the ring; ulysses_attn is balanced already); results unchanged",
+        nargs="?",
+        const="cut",
+        choices=["cut", "workload"],
+        help="with --document-masking: the same attention work on every rank, results unchanged. cut (the "
+        "bare flag): every document cut over the ring (document_split=True); workload: documents whole on "
+        "one rank each, only the longest cut, less traffic (document_split='workload'). "
+        "ulysses_attn is balanced already",
+    )
+    p.add_argument(
+        "--data-order",
+        choices=["balanced", "random"],
+        default="balanced",
+        help="with --document-masking over several data-parallel groups: balanced (default) gives the groups "
+        "of each step rows of equal attention work (the same rows per epoch, reordered within windows of "
+        "steps); random: the epoch's random order as it is",
     )
     p.add_argument("--loss-chunk-size", type=int, default=4096, help="tokens per chunk of the output layer + loss")
     p.add_argument("--output-dir", default="outputs/tiny-llama")
@@ -391,11 +404,11 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
 class Run:
     """What the steps of a run share: its flags, the accelerator, where this rank sits."""
 
-    def __init__(self, args: argparse.Namespace, accelerator, stage: Stage, topology, deepspeed, document_split: bool):
+    def __init__(self, args: argparse.Namespace, accelerator, stage: Stage, topology, deepspeed, document_split):
         self.args, self.accelerator, self.stage = args, accelerator, stage
         self.topology = topology  # easy_context.core.groups.Topology
         self.deepspeed = deepspeed  # accelerate's DeepSpeed plugin, None without DeepSpeed
-        self.document_split = document_split  # every document cut over the ring (--balance-documents)
+        self.document_split = document_split  # None, True or "workload" (--balance-documents)
 
     @property
     def rank(self) -> int:
@@ -444,9 +457,8 @@ def set_up_run(args, accelerator, stage: Stage) -> Run:
         fail("--compile is not supported under DeepSpeed (its engine wraps the model); drop --compile")
     if refusal := fsdp.refusal(args, accelerator):
         fail(refusal)
-    # --balance-documents: every document is split over the ring (document_split); Ulysses alone is
-    # balanced already.
-    split = args.balance_documents and mode.document_split
+    # --balance-documents: a layout per row (document_split); Ulysses alone is balanced already.
+    split = {None: None, "cut": True, "workload": "workload"}[args.balance_documents] if mode.document_split else None
     return Run(args, accelerator, stage, topology, deepspeed, split)
 
 
@@ -548,6 +560,10 @@ def build_data(run: Run, tokenizer, vocab_size: int) -> ShardedBatches:
             f"{len(rows)} rows of {args.seq_length + 1} tokens are fewer than one step needs "
             f"({args.batch_size * run.dp_size})"
         )
+    # The order this run reads in, as checkpoints record it (RESUME_KEYS): by work only where
+    # that applies (document masking, several DP groups, rows that know their documents).
+    if not (args.document_masking and run.dp_size > 1 and hasattr(rows, "row_products")):
+        args.data_order = "random"
     return ShardedBatches(run, rows, tokenizer.eos_token_id, vocab_size)
 
 
@@ -593,14 +609,26 @@ def epoch_order(rows: int, seed: int) -> torch.Tensor:
     return torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
 
 
-def micro_batch(rows: torch.Tensor, index: int, batch_size: int, dp_rank: int, dp_size: int, seed: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=2)
+def balanced_order(rows, seed: int, dp_size: int, batch_size: int) -> torch.Tensor:
+    """The epoch's order with equal attention work per DP group in each step (programs.data.work),
+    from the rows' document lengths (rows: PackedRows, hashed by identity)."""
+    return balanced_epoch_order(epoch_order(len(rows), seed), rows.row_products(), dp_size, batch_size, seed)
+
+
+def micro_batch(rows, index: int, batch_size: int, dp_rank: int, dp_size: int, seed: int, balanced=False):
     """Micro-batch `index` of data-parallel group `dp_rank`: a pure function of its arguments,
-    so a resumed run reads exactly what the uninterrupted run would have read."""
+    so a resumed run reads exactly what the uninterrupted run would have read. `balanced`: the
+    epoch's order gives the DP groups of a step rows of equal attention work (rows that know
+    their documents: PackedRows)."""
     if isinstance(rows, StreamedRows):  # in stream order; each DP group streams its own part
         return rows.read(index * batch_size, batch_size)
     per_epoch = len(rows) // (batch_size * dp_size)
     epoch, within = divmod(index, per_epoch)
-    order = epoch_order(len(rows), seed + epoch)
+    if balanced:
+        order = balanced_order(rows, seed + epoch, dp_size, batch_size)
+    else:
+        order = epoch_order(len(rows), seed + epoch)
     start = (within * dp_size + dp_rank) * batch_size
     return rows[order[start : start + batch_size]]
 
@@ -615,7 +643,8 @@ class ShardedBatches:
         """Micro-batch `index` (of step `step`) on this rank: (input_ids, position_ids,
         target_ids, the model's extra attention arguments)."""
         run, args = self.run, self.run.args
-        batch = micro_batch(self.rows, index, args.batch_size, run.dp_rank, run.dp_size, args.seed)
+        balanced = args.data_order == "balanced"
+        batch = micro_batch(self.rows, index, args.batch_size, run.dp_rank, run.dp_size, args.seed, balanced)
         batch, labels = batch if isinstance(batch, tuple) else (batch, batch)  # labels: -100 where not trained
         if batch.min() < 0 or batch.max() >= self.vocab_size:  # else an IndexError (CPU) or a device assert (CUDA)
             bad = batch.min().item() if batch.min() < 0 else batch.max().item()

@@ -248,14 +248,10 @@ def _rank_entry(rank, world, spec, workdir):
 
 def run_mode(spec, world: int = 2) -> list[dict]:
     """Every rank's counts (rank order)."""
-    from benchmarks.harness import start_ranks
+    from benchmarks.harness import run_to_end
 
     with tempfile.TemporaryDirectory() as workdir:
-        procs = start_ranks(_rank_entry, world, (spec, workdir))
-        for p in procs:
-            p.join(1800)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"{spec['mode']}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+        run_to_end(_rank_entry, world, (spec, workdir), 1800, spec["mode"])
         return [torch.load(f"{workdir}/result{rank}.pt", weights_only=False) for rank in range(world)]
 
 

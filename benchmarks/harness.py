@@ -119,6 +119,16 @@ def start_ranks(target, world: int, args: tuple, daemon: bool = False) -> list:
     return procs
 
 
+def run_to_end(target, world: int, args: tuple, timeout: float, what: str) -> None:
+    """target(rank, world, *args) in `world` fresh processes, waited for; a RuntimeError naming
+    `what` when a rank fails."""
+    procs = start_ranks(target, world, args)
+    for p in procs:
+        p.join(timeout)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"{what}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+
+
 def init_gloo(rank: int, world: int, workdir: str, timeout_s: float | None = 600) -> None:
     """Joins the gloo process group of the ranks started on `workdir` (file:// rendezvous)."""
     import torch.distributed as dist

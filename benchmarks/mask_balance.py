@@ -18,15 +18,20 @@ import random
 import torch
 
 from easy_context.core.balance import split_documents
-from easy_context.core.layout import Layout
+from easy_context.core.layout import Layout, RowLayout
 from easy_context.core.masking import SequenceMask
-from easy_context.modes.dist_flash_attn import balanced_schedule, split_rows
+from easy_context.core.ring import RingRounds, masked_ring_plan
+from easy_context.modes.dist_flash_attn import DistFlashPlan, balanced_schedule, split_rows
 
 
-def long_tailed_lengths(seq: int, rng: random.Random, median: int = 300, sigma: float = 1.4) -> list[int]:
+def long_tailed_lengths(
+    seq: int, rng: random.Random, median: int = 300, sigma: float = 1.4, shortest: int = 1
+) -> list[int]:
+    """Log-normal document lengths of at least `shortest` tokens filling a row of `seq` (the
+    last one is cut to fit)."""
     lengths = []
     while sum(lengths) < seq:
-        lengths.append(max(1, min(int(rng.lognormvariate(math.log(median), sigma)), seq - sum(lengths))))
+        lengths.append(min(max(shortest, int(rng.lognormvariate(math.log(median), sigma))), seq - sum(lengths)))
     return lengths
 
 
@@ -65,6 +70,34 @@ def dist_flash_work(mask: SequenceMask, seq: int, size: int, index=None) -> list
             rows = split_rows(mask, u, index, local) if key == "ds" else u.rows(local)
             work[u.worker] += computed(mask.blocks((key, u), index[u.q_owner][..., rows], index[u.kv_owner], "cpu"))
     return work
+
+
+def plan_of(mode: str, mask: SequenceMask, seq: int, size: int, shares=None):
+    """The executor plan the mode runs for `mask` on `size` ranks: its static layout, or the
+    per-row layout whose ring rank r holds shares[r] (one batch row)."""
+    layout = None if shares is None else RowLayout([share[None] for share in shares])
+    mask = SequenceMask(mask.first_key, row_layout=layout)
+    if mode == "dist_flash_attn":
+        return DistFlashPlan(mask, size, seq // size, "cpu")
+    plan = masked_ring_plan(mask, True, size, seq // size, "cpu")
+    return RingRounds(plan, size, seq // size, seq // size)
+
+
+def rows_moved(plan, local_len: int) -> int:
+    """Rows of K/V (and of queries, for units computed by another rank) the plan's forward
+    fetches from other ranks: what the executor sends, one row = one token's K, V or q heads."""
+    moved = 0
+    for units in plan.rounds:
+        for unit in units:
+            if unit.worker != unit.kv_owner:
+                keys = plan.keys(unit)
+                moved += len(range(local_len)[keys]) if isinstance(keys, slice) else len(keys)
+            if unit.worker != unit.q_owner:
+                moved += len(range(local_len)[plan.rows(unit)])
+    return moved
+
+
+WORK_OF = {"zigzag_ring_attn": zigzag_work, "dist_flash_attn": dist_flash_work}
 
 
 def main():

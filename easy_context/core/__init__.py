@@ -7,13 +7,15 @@ masking.py   documents, padding and windows described once; the kernel calls the
 global_mask.py  the whole-sequence mask from every rank's shard (one all-gather per forward)
 blocks.py    a query shard over kernel blocks: fp32 log-sum-exp merging, sinks, exact backward
 executor.py  the one executor: rounds of (query owner, K/V owner, worker, rows) units, with
-             prefetch and send-back; forward, backward, recompute-free checkpointing
+             prefetch of the K/V rows a unit needs and send-back; forward, backward,
+             recompute-free checkpointing
 ring.py      the ring as an executor plan (zigzag and masked ring plans build on it)
 p2p.py       batched point-to-point exchange with prefetch
 collectives.py  all-gather and the same-data-on-every-rank check, written once
 remat.py     recompute-free checkpointing (attention outputs kept for the backward)
 layout.py    how tokens are split over an SP group (zigzag/contiguous x Ulysses), and the
              per-row layout of document_split
-balance.py   document_split: a layout per packed row that balances the ranks' work
+balance.py   document_split: a layout per packed row that balances the ranks' work (every
+             document cut, or documents placed whole by work and only the longest cut)
 groups.py    world = dp x sp, sp = ring x ulysses; process groups created once
 """

@@ -9,8 +9,9 @@ in their plans:
   dist_flash           LightSeq's balanced schedule: some units are computed by the K/V owner
                        for a query owner further along the sequence (worker = K/V owner).
 
-Each round, the inputs a worker lacks (the K/V owner's K/V; the query owner's query rows,
-and in the backward its dout/out/lse rows) are fetched while the previous round computes,
+Each round, the inputs a worker lacks (the rows of the K/V owner's K/V the unit needs, all of
+them without a mask; the query owner's query rows, and in the backward its dout/out/lse rows)
+are fetched while the previous round computes,
 and what a worker computed for another rank (partial out/lse in the forward, dQ/dK/dV in
 the backward, fp32) travels back while the next round computes. Units a worker computes for
 its own query rows merge straight into its running fp32 state, in round order; returned
@@ -80,8 +81,13 @@ class Plan(Protocol):
     def rows(self, unit: Unit) -> slice:
         """The query owner's local rows the unit covers."""
 
+    def keys(self, unit: Unit):
+        """The K/V owner's local rows the unit needs: FULL_ROWS (all), a slice, or an increasing
+        index tensor on the device. Only these travel, and their dK/dV back. A unit whose
+        worker owns the K/V takes FULL_ROWS or a slice (its rows are viewed, not copied)."""
+
     def blocks(self, unit: Unit) -> Sequence[Block]:
-        """Kernel calls of the unit: query rows relative to `rows(unit)`, keys of the K/V owner."""
+        """Kernel calls of the unit: query rows relative to `rows(unit)`, keys relative to `keys(unit)`."""
 
 
 def _shifted(blocks: Sequence[Block], rows: slice, q_len: int) -> Sequence[Block]:
@@ -104,6 +110,16 @@ def _split_apart(blocks: Sequence[Block], rows: slice, q_len: int) -> bool:
     if covers(rows, q_len) or len(blocks) != 1:
         return False
     return covers(blocks[0].q, rows.stop - (rows.start or 0)) and blocks[0].batch == FULL_ROWS
+
+
+def _key_rows(x: torch.Tensor, keys) -> torch.Tensor:
+    """Rows `keys` of a (B, H, S, D) K/V tensor: a view for a slice, a compact copy for an index."""
+    return rows_view(x, keys) if isinstance(keys, slice) else x.index_select(2, keys)
+
+
+def _key_rows_like(x: torch.Tensor, keys) -> torch.Tensor:
+    """A receive template with the layout `_key_rows(x, keys)` has on the sender, without copying."""
+    return rows_view(x, keys) if isinstance(keys, slice) else x.new_empty((*x.shape[:2], len(keys), *x.shape[3:]))
 
 
 def _tile_all_rows(rows: Sequence[slice], q_len: int) -> bool:
@@ -153,10 +169,16 @@ class _Run:
     def rows(self, unit, x):
         return rows_view(x, self.plan.rows(unit))
 
+    def keys(self, unit, x):
+        return _key_rows(x, self.plan.keys(unit))
+
+    def keys_like(self, unit, x):
+        return _key_rows_like(x, self.plan.keys(unit))
+
     def fetch(self, units, q_side, kv):
-        """Transfers of the inputs the workers of `units` lack: q-side rows and K/V."""
+        """Transfers of the inputs the workers of `units` lack: q-side rows and K/V rows."""
         q_template = lambda u: [(self.rows(u, x), None) for x in q_side]  # noqa: E731
-        kv_template = lambda u: [(x, None) for x in kv]  # noqa: E731
+        kv_template = lambda u: [(self.keys_like(u, x), None) for x in kv]  # noqa: E731
         return (
             _transfer(
                 self.group,
@@ -174,9 +196,9 @@ class _Run:
                 units,
                 _kv_owner,
                 _worker,
-                lambda i, u: list(kv),
+                lambda i, u: [self.keys(u, x) for x in kv],
                 kv_template,
-                payload_is_template=True,
+                payload_is_template=True,  # a view of K/V, or a compact copy: keys_like's layout
             ),
         )
 
@@ -221,7 +243,7 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
         for i, u in enumerate(units):
             if u.worker != me:
                 continue
-            uk, uv = fetched_kv.get(i, (k, v))
+            uk, uv = fetched_kv.get(i) or [run.keys(u, x) for x in (k, v)]
             if u.q_owner == me and _split_apart(plan.blocks(u), plan.rows(u), q.shape[2]):
                 # some of my rows in one call: merged with the rows computed for me this round
                 parts.append((plan.rows(u), *forward_blocks(run.rows(u, q), uk, uv, plan.blocks(u), scale, kernels)))
@@ -273,12 +295,36 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
                 grads[0] = torch.zeros_like(q, dtype=acc)
             rows_view(grads[0], r).add_(block_dq)
 
+    def kv_rows(unit):
+        """This rank's dK/dV accumulators for a unit of its own K/V: the totals themselves when
+        the unit needs every key row, else views of its key rows (the totals started as zeros)."""
+        keys = plan.keys(unit)
+        if covers(keys, k.shape[2]):
+            return grads[1], grads[2]
+        for j, x in ((1, k), (2, v)):
+            if grads[j] is None:
+                grads[j] = torch.zeros_like(x, dtype=acc)
+        return rows_view(grads[1], keys), rows_view(grads[2], keys)
+
+    def add_kv(unit, block_dk, block_dv):
+        keys = plan.keys(unit)
+        if isinstance(keys, slice) and covers(keys, k.shape[2]):
+            grads[1] = block_dk if grads[1] is None else grads[1].add_(block_dk)
+            grads[2] = block_dv if grads[2] is None else grads[2].add_(block_dv)
+            return
+        for j, x, block_grad in ((1, k, block_dk), (2, v, block_dv)):
+            if grads[j] is None:
+                grads[j] = torch.zeros_like(x, dtype=acc)
+            if isinstance(keys, slice):
+                rows_view(grads[j], keys).add_(block_grad)
+            else:
+                grads[j].index_add_(2, keys, block_grad)
+
     def add_returned(returning):
         units, dq_pending, dkv_pending, dq_parts = returning
         add_dq(dq_parts + [(plan.rows(units[i]), block_dq) for i, (block_dq,) in dq_pending.wait().items()])
-        for block_dk, block_dv in dkv_pending.wait().values():
-            grads[1] = block_dk if grads[1] is None else grads[1].add_(block_dk)
-            grads[2] = block_dv if grads[2] is None else grads[2].add_(block_dv)
+        for i, (block_dk, block_dv) in dkv_pending.wait().items():
+            add_kv(units[i], block_dk, block_dv)
 
     returning = None
     for units, fetched_q, fetched_kv in run.rounds([q, dout, out, lse], [k, v]):
@@ -287,9 +333,9 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
         for i, u in enumerate(units):
             if u.worker != me:
                 continue
-            uk, uv = fetched_kv.get(i, (k, v))
+            uk, uv = fetched_kv.get(i) or [run.keys(u, x) for x in (k, v)]
             own_kv = u.kv_owner == me
-            kv_grads = grads[1:] if own_kv else (None, None)
+            kv_grads = kv_rows(u) if own_kv else (None, None)
             if u.q_owner == me and not _split_apart(plan.blocks(u), plan.rows(u), q.shape[2]):
                 blocks = _shifted(plan.blocks(u), plan.rows(u), q.shape[2])
                 dq, dk, dv = backward_blocks(dout, q, uk, uv, out, lse, blocks, scale, kernels, (grads[0], *kv_grads))
@@ -320,7 +366,7 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
                     kernels,
                     (None, *kv_grads),
                 )
-            if own_kv:
+            if own_kv and covers(plan.keys(u), k.shape[2]):  # else added in place to the views
                 grads[1], grads[2] = dk, dv
             partial[i] = [None if u.q_owner == me else dq, None if own_kv else dk, None if own_kv else dv]
         if returning is not None:
@@ -343,7 +389,7 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
                 _worker,
                 _kv_owner,
                 lambda i, u, partial=partial: partial[i][1:],
-                lambda u: [(k, acc), (v, acc)],
+                lambda u: [(run.keys_like(u, k), acc), (run.keys_like(u, v), acc)],
             ),
             dq_parts,
         )

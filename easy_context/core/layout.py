@@ -10,9 +10,11 @@ SP rank = ring_rank * ulysses_degree + ulysses_rank (Ulysses over neighbouring r
 A layout is pure indexing, never communication: `local_indices` is the single source of
 truth and shard, unshard and the position check all derive from it.
 
-`RowLayout` (document_split) is a layout of its own per batch row: every document is cut over
-the ring the way the static layout cuts one causal row (balance.py), so each rank gets its
-share of every document's work. The ring's plans read either kind through `ring_positions`.
+`RowLayout` (document_split) is a layout of its own per batch row, balancing the ranks' work
+on packed documents (balance.py): document_split=True cuts every document over the ring the
+way the static layout cuts one causal row; document_split="workload" keeps documents whole on
+one rank each and cuts only the longest. The ring's plans read either kind through
+`ring_positions`.
 """
 
 from __future__ import annotations
@@ -22,10 +24,24 @@ from dataclasses import dataclass
 
 import torch
 
-from easy_context.core.balance import split_documents
+from easy_context.core.balance import place_documents, split_documents
 from easy_context.core.masking import SequenceMask
 
-__all__ = ["Layout", "RowLayout", "WHOLE_SEQUENCE", "ring_layout"]
+__all__ = ["Layout", "RowLayout", "WHOLE_SEQUENCE", "DOCUMENT_SPLITS", "check_document_split_value", "ring_layout"]
+
+# The values of the document_split option that ask for a layout per row, and how each places a
+# row's documents on the ring (None and False: the mode's static layout).
+DOCUMENT_SPLITS = {True: split_documents, "workload": place_documents}
+
+
+def check_document_split_value(value) -> None:
+    """None or False (the mode's static layout), or a key of DOCUMENT_SPLITS."""
+    if value is None or isinstance(value, bool) or (isinstance(value, str) and value in DOCUMENT_SPLITS):
+        return
+    raise ValueError(
+        f"document_split={value!r} is not one of None, False, True (every document cut over the ring) "
+        "or 'workload' (documents whole on one rank each, only the longest cut over the ring)"
+    )
 
 
 @dataclass(frozen=True)
@@ -112,15 +128,16 @@ class RowLayout:
 
     @classmethod
     def of_documents(
-        cls, position_ids, attention_mask, ring_degree: int, ulysses_degree: int, zigzag: bool
+        cls, position_ids, attention_mask, ring_degree: int, ulysses_degree: int, zigzag: bool, split=True
     ) -> RowLayout:
         """The split of a batch (position_ids (B, S): documents restart their positions; attention_mask
-        (B, S) 0/1 or None): every document cut over the ring in order (balance.split_documents),
-        zigzag or contiguous as the mode cuts one causal row."""
+        (B, S) 0/1 or None), each row placed on the ring by DOCUMENT_SPLITS[split], cutting
+        documents zigzag or contiguous as the mode cuts one causal row."""
+        place = DOCUMENT_SPLITS[split]
         valid = None if attention_mask is None else attention_mask.cpu().bool()
         first_key = SequenceMask.from_positions(position_ids, valid).first_key
         valid = torch.ones_like(first_key, dtype=torch.bool) if valid is None else valid
-        per_row = [split_documents(first_key[b], valid[b], ring_degree, zigzag) for b in range(len(valid))]
+        per_row = [place(first_key[b], valid[b], ring_degree, zigzag) for b in range(len(valid))]
         return cls([torch.stack([shares[r] for shares in per_row]) for r in range(ring_degree)], ulysses_degree)
 
     @classmethod

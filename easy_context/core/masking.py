@@ -142,6 +142,34 @@ class SequenceMask:
         """Allowed (query, key) pairs summed over the batch rows."""
         return int(self.pairs_per_query(q_index, k_index).sum())
 
+    def key_rows(self, key, q_index: torch.Tensor, k_index: torch.Tensor, device=None):
+        """The local key rows that hold every allowed key of the local queries, over all batch
+        rows: FULL_ROWS (all of them), a slice (one run) or an increasing index tensor on
+        `device` (several runs: e.g. the pieces of a few cut documents between whole ones).
+        Cached under `key` like `blocks`."""
+
+        def rows():
+            n = k_index.shape[-1]
+            edges = torch.zeros(n + 1, dtype=torch.long)
+            for _, first_key_q, q, k, _ in _by_row(self, q_index, k_index):
+                lo, hi = (x[0] for x in _key_ranges(first_key_q, q, k, self.window))
+                live = hi > lo
+                edges.index_add_(0, lo[live], torch.ones_like(lo[live]))
+                edges.index_add_(0, hi[live], -torch.ones_like(hi[live]))
+            needed = torch.nonzero(edges.cumsum(0)[:n] > 0).flatten()
+            count = needed.numel()
+            if count == n:
+                return FULL_ROWS
+            if count == 0:
+                return slice(0, 0)
+            first, last = needed[[0, -1]].tolist()  # one conversion: no host sync per value
+            return slice(first, last + 1) if last - first + 1 == count else needed
+
+        found = self.memo(("key rows", key), rows)
+        if isinstance(found, slice):
+            return found
+        return self.memo(("key rows", key, str(device)), lambda: found.to(device))
+
     def has_pairs(self, key, q_index: torch.Tensor, k_index: torch.Tensor) -> bool:
         """Whether any pair is allowed; cached under `key` like `blocks`."""
         return self.memo(("has pairs", key), lambda: self.allowed_pairs(q_index, k_index) > 0)

@@ -9,8 +9,11 @@ the dK/dV of each borrowed block (fp32) goes straight back, one step behind.
 
 A step no rank has work for is skipped, and a rank with no work at a step receives nothing
 (packed documents and sliding windows leave most steps of a long ring empty; every rank
-decides this from the same plan, so no rank waits on a message that never comes). Without
-masks every step is needed and this moves exactly what a ring relay moves.
+decides this from the same plan, so no rank waits on a message that never comes). Of the K/V
+a rank needs, only the rows its queries may attend travel (`keys`): under
+document_split="workload" short documents sit whole on one rank and only the rows of the
+documents cut over the ring are sent. Without masks every step and row is needed and this
+moves exactly what a ring relay moves.
 """
 
 from __future__ import annotations
@@ -43,10 +46,15 @@ class RingPlan(Protocol):
     masked: bool  # whether some rows may have no allowed key in a block (lse = -inf)
 
     def blocks(self, step: int, rank: int, size: int, q_len: int, kv_len: int) -> Sequence[Block]:
-        """Blocks to compute at `step`, while holding the K/V of rank (rank - step) % size."""
+        """Blocks to compute at `step`, while holding the rows `keys(...)` of the K/V of rank
+        (rank - step) % size (key slices relative to them)."""
 
     def needs(self, step: int, rank: int, size: int) -> bool:
         """Whether `rank` computes anything with the K/V of rank (rank - step) % size."""
+
+    def keys(self, step: int, rank: int, size: int):
+        """The rows of rank (rank - step) % size's K/V that `rank` needs at `step`: FULL_ROWS, a
+        slice or an index tensor (see executor.Plan.keys)."""
 
 
 class MaskedRingPlan:
@@ -62,9 +70,19 @@ class MaskedRingPlan:
     def _positions(self, rank):
         return self.layout.ring_positions(self.seq_len, rank)
 
+    def _key_rows(self, step, rank, size, device=None):
+        if step == 0:  # its own K/V: nothing travels
+            return FULL_ROWS
+        source = (rank - step) % size
+        return self.mask.key_rows((self.name, rank, source), self._positions(rank), self._positions(source), device)
+
+    def keys(self, step, rank, size):
+        return self._key_rows(step, rank, size, self.device)
+
     def blocks(self, step, rank, size, q_len, kv_len):
         source = (rank - step) % size
-        return self.mask.blocks((self.name, rank, source), self._positions(rank), self._positions(source), self.device)
+        keys = self._positions(source)[..., self._key_rows(step, rank, size)]
+        return self.mask.blocks((self.name, rank, source), self._positions(rank), keys, self.device)
 
     def needs(self, step, rank, size):
         source = (rank - step) % size
@@ -92,6 +110,9 @@ class RingRounds:
 
     def rows(self, unit: Unit) -> slice:
         return FULL_ROWS
+
+    def keys(self, unit: Unit):
+        return self.plan.keys((unit.q_owner - unit.kv_owner) % self.size, unit.q_owner, self.size)
 
     def blocks(self, unit: Unit) -> Sequence[Block]:
         step = (unit.q_owner - unit.kv_owner) % self.size

@@ -5,9 +5,10 @@ Options shared by every function (keyword-only):
   sp_size      ranks that share one sequence (default: the whole world); world = dp x sp
   ring_degree  the ring part of an SP group under usp_attn (default 1: pure Ulysses)
   document_split  modes whose SeqParallelMode.document_split is True, with packed rows: each
-               row gets a layout of its own (every document cut over the ring the way the mode
-               cuts one causal row) so every rank does the same work; the model is then called
-               with seq_parallel_index=local["local_token_index"]
+               row gets a layout of its own so every rank does the same work; True cuts every
+               document over the ring the way the mode cuts one causal row, "workload" keeps
+               documents whole on one rank each and cuts only the longest (less traffic); the
+               model is then called with seq_parallel_index=local["local_token_index"]
 Functions called after apply_seq_parallel_monkey_patch default to the options it was given.
 """
 
@@ -67,7 +68,7 @@ def prepare_seq_parallel_inputs(
     attention_mask=local["local_attention_mask"] and position_ids=local["local_position_ids"]
     to the model. data_parallel returns the inputs unchanged (moved to `device`).
 
-    document_split=True: each row gets a layout of its own; the result also has
+    document_split (True or "workload"): each row gets a layout of its own; the result also has
     local_token_index (B, S_local), each local token's position in its row, for the model
     (seq_parallel_index=) and gather_seq_parallel_outputs (token_index=).
     """

@@ -21,7 +21,7 @@ import torch
 from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
 from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get_groups, ranks_per_node
-from easy_context.core.layout import RowLayout
+from easy_context.core.layout import RowLayout, check_document_split_value
 from easy_context.hf import architectures, patch, replicas
 from easy_context.hf.generation import generate_in
 from easy_context.hf.trainer import prepare
@@ -69,6 +69,7 @@ class SequenceParallel:
     ):
         self.mode: SeqParallelMode = mode if isinstance(mode, SeqParallelMode) else get_mode(mode)
         self.model_types = frozenset(model_types)
+        check_document_split_value(document_split)
         self.sp_size, self.ring_degree, self.document_split = sp_size, ring_degree, document_split
         # hybrid layers' strategy (mixers/): None or "auto", "state_passing", "head_exchange"
         if mixer_strategy not in (None, "auto", *STRATEGIES):
@@ -128,7 +129,8 @@ class SequenceParallel:
     def check_document_split(self) -> None:
         if not self.mode.document_split:
             raise ValueError(
-                f"document_split=True works with {list(modes_with('document_split'))}, not {self.mode.name!r} "
+                f"document_split={self.document_split!r} works with {list(modes_with('document_split'))}, "
+                f"not {self.mode.name!r} "
                 "(ulysses_attn is balanced already: every rank attends the whole sequence for its heads)"
             )
 
@@ -172,7 +174,7 @@ class SequenceParallel:
         rows = (input_ids, position_ids, target_ids, attention_mask)
         if self.document_split:
             self.check_document_split()
-            index = _split_index(self.mode, topology, position_ids, attention_mask, sp_rank)
+            index = _split_index(self.mode, topology, position_ids, attention_mask, sp_rank, self.document_split)
             result = {name: None if x is None else to_device(x.gather(1, index)) for name, x in zip(SHARD_KEYS, rows)}
             result["local_token_index"] = to_device(index)
             return result
@@ -185,7 +187,8 @@ class SequenceParallel:
         topology = self.topology()
         if self.document_split and token_index is None:
             raise ValueError(
-                "document_split=True: pass token_index=local['local_token_index'] to gather_seq_parallel_outputs"
+                f"document_split={self.document_split!r}: pass token_index=local['local_token_index'] "
+                "to gather_seq_parallel_outputs"
             )
         group = get_groups(topology).sp
         if group is None:
@@ -265,11 +268,14 @@ def _as_batch(name: str, x: torch.Tensor | None, batch: int, seq_len: int) -> to
     return x.expand(batch, seq_len)
 
 
-def _split_index(mode, topology, position_ids, attention_mask, sp_rank) -> torch.Tensor:
+def _split_index(mode, topology, position_ids, attention_mask, sp_rank, split) -> torch.Tensor:
     """document_split: this SP rank's rows, (B, S_local) global positions: per row, its ring
-    rank's share of every document, cut into Ulysses pieces (core.layout.RowLayout)."""
+    rank's share of the row as `split` places the documents, cut into Ulysses pieces
+    (core.layout.RowLayout)."""
     zigzag = topology.ring_degree > 1 and mode.zigzag
-    layout = RowLayout.of_documents(position_ids, attention_mask, topology.ring_degree, topology.ulysses_degree, zigzag)
+    layout = RowLayout.of_documents(
+        position_ids, attention_mask, topology.ring_degree, topology.ulysses_degree, zigzag, split
+    )
     return layout.local_indices(sp_rank).to(position_ids.device)
 
 

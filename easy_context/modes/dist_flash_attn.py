@@ -76,6 +76,16 @@ class DistFlashPlan:
             self.mask, unit, {r: self._positions(r) for r in (unit.q_owner, unit.kv_owner)}, self.local_len
         )
 
+    def keys(self, unit: Unit):
+        """The K/V owner's rows the unit's queries may attend: under a mask only these travel
+        (packed documents that stay whole on a rank need none of another's)."""
+        return self._key_rows(unit, self.device)
+
+    def _key_rows(self, unit: Unit, device=None):
+        if not self.masked or unit.worker == unit.kv_owner:  # its own K/V: nothing travels
+            return FULL_ROWS
+        return self.mask.key_rows(("dist_flash", self.seq_len, unit), *self._indices(unit), device)
+
     def _positions(self, rank: int):
         return self.layout.ring_positions(self.seq_len, rank)
 
@@ -85,7 +95,9 @@ class DistFlashPlan:
     def blocks(self, unit: Unit):
         if not self.masked:
             return [Block(FULL_ROWS, FULL_ROWS, unit.causal)]
-        return self.mask.blocks(("dist_flash", self.seq_len, unit), *self._indices(unit), self.device)
+        queries, keys = self._indices(unit)
+        keys = keys[..., self._key_rows(unit)]
+        return self.mask.blocks(("dist_flash", self.seq_len, unit), queries, keys, self.device)
 
     def _needed(self, unit: Unit) -> bool:
         return not self.masked or self.mask.has_pairs(("dist_flash", self.seq_len, unit), *self._indices(unit))

@@ -27,6 +27,9 @@ class ZigzagPlan:
     def needs(self, step, rank, size):
         return True
 
+    def keys(self, step, rank, size):
+        return _ALL
+
     def blocks(self, step, rank, size, q_len, kv_len):
         if step == 0:
             return [Block(_ALL, _ALL, causal=True)]

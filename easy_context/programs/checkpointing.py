@@ -63,6 +63,7 @@ RESUME_KEYS = (
     "world_size",
     "document_masking",
     "balance_documents",
+    "data_order",
 )
 
 
@@ -138,13 +139,21 @@ def _trainer_state(path: Path) -> tuple[dict | None, str | None]:
 
 
 def legacy_resume_values(saved: dict) -> dict:
-    """What checkpoints written before a flag existed were trained with."""
-    return {
+    """The saved flags as today's flags name them: checkpoints written before a flag existed were
+    trained with its old behaviour, and --balance-documents was a switch (True: every document
+    cut, today's `cut`)."""
+    defaults = {
         "text_column": "text",
         "streaming": False,
         "fsdp": False,
         "retrieval_fraction": 0.0 if saved.get("dataset") is None else None,
+        "data_order": "random",
     }
+    values = {**defaults, **saved}
+    values["balance_documents"] = {True: "cut", False: None}.get(
+        values.get("balance_documents"), values.get("balance_documents")
+    )
+    return values
 
 
 def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
@@ -261,7 +270,7 @@ class Checkpoints:
         Refused before anything is loaded when a flag in RESUME_KEYS differs."""
         state = read_trainer_state(path)
         self.args.world_size = self.accelerator.num_processes
-        saved = {**legacy_resume_values(state["args"]), **state["args"]}
+        saved = legacy_resume_values(state["args"])
         changed = {
             k: (saved.get(k), getattr(self.args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(self.args, k)
         }

@@ -263,31 +263,24 @@ def test_packed_documents_equal_each_document_run_alone():
         start += length
 
 
+# Long documents among short ones: under document_split="workload" (unpadded) the long ones are
+# cut over the ring, a few spill over two or three ranks and the rest stay whole on one rank.
+WORKLOAD_ROWS = torch.stack([packed([40, 5, 6, 7, 3, 8, 4, 6, 5, 4, 8]), packed([3, 9, 2, 33, 6, 1, 5, 7, 4, 26])])
+SPLITS = {True: (PACKED_ROWS, PADDING), "workload": (WORKLOAD_ROWS, None)}
+SPLIT_MODELS = (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30}))
+
+
 def _split_worker(rank, world_size, mode, options):
-    apply_seq_parallel_monkey_patch(mode, "qwen3", document_split=True, **options)
-    apply_seq_parallel_monkey_patch(mode, "mistral", document_split=True, **options)
-    group = active_patch().groups().sp
     results = {}
-    for name, model_type, overrides in (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30})):
-        model = tiny_model(model_type, **overrides)
-        input_ids, target_ids = targets(2, PADDING)
-        local = prepare_seq_parallel_inputs(
-            mode, input_ids, PACKED_ROWS, target_ids, rank, world_size, "cpu", attention_mask=PADDING
-        )
-        logits = model(
-            input_ids=local["local_input_ids"],
-            position_ids=local["local_position_ids"],
-            attention_mask=local["local_attention_mask"],
-            seq_parallel_index=local["local_token_index"],
-        ).logits
-        loss_sum = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), local["local_target_ids"].flatten(), reduction="sum"
-        )
-        stats = torch.stack([loss_sum.detach(), (local["local_target_ids"] != -100).sum().float()])
-        dist.all_reduce(stats, group=group)
-        (loss_sum / stats[1]).backward()
-        whole = gather_seq_parallel_outputs(mode, logits.detach(), token_index=local["local_token_index"])
-        results[name] = (whole, (stats[0] / stats[1]).item(), summed_grads(model, group))
+    for split, (rows, padding) in SPLITS.items():
+        apply_seq_parallel_monkey_patch(mode, "qwen3", document_split=split, **options)
+        apply_seq_parallel_monkey_patch(mode, "mistral", document_split=split, **options)
+        for name, model_type, overrides in SPLIT_MODELS:
+            results[split, name] = _split_case(rank, world_size, mode, rows, padding, model_type, overrides)
+        remove_seq_parallel_monkey_patch()
+    apply_seq_parallel_monkey_patch(mode, "qwen3", document_split=True, **options)
+    model = tiny_model("qwen3")
+    local = prepare_seq_parallel_inputs(mode, tiny_batch(2, SEQ)[0], PACKED_ROWS, None, rank, world_size, "cpu")
     try:
         model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"])
         refused = None
@@ -295,6 +288,29 @@ def _split_worker(rank, world_size, mode, options):
         refused = str(error)
     remove_seq_parallel_monkey_patch()
     return results, refused
+
+
+def _split_case(rank, world_size, mode, rows, padding, model_type, overrides):
+    group = active_patch().groups().sp
+    model = tiny_model(model_type, **overrides)
+    input_ids, target_ids = targets(2, padding)
+    local = prepare_seq_parallel_inputs(
+        mode, input_ids, rows, target_ids, rank, world_size, "cpu", attention_mask=padding
+    )
+    logits = model(
+        input_ids=local["local_input_ids"],
+        position_ids=local["local_position_ids"],
+        attention_mask=local["local_attention_mask"],
+        seq_parallel_index=local["local_token_index"],
+    ).logits
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), local["local_target_ids"].flatten(), reduction="sum"
+    )
+    stats = torch.stack([loss_sum.detach(), (local["local_target_ids"] != -100).sum().float()])
+    dist.all_reduce(stats, group=group)
+    (loss_sum / stats[1]).backward()
+    whole = gather_seq_parallel_outputs(mode, logits.detach(), token_index=local["local_token_index"])
+    return whole, (stats[0] / stats[1]).item(), summed_grads(model, group)
 
 
 @pytest.mark.timeout(300)
@@ -311,22 +327,25 @@ def _split_worker(rank, world_size, mode, options):
     ids=str,
 )
 def test_document_split_layout_matches_single_process(mode, world_size, options):
-    """document_split: every packed document is cut over all ring ranks (a layout per row);
-    logits (put back in order with local_token_index), loss and every gradient equal the
-    unpatched model's, windows included; a model call without seq_parallel_index is refused."""
+    """document_split: a layout per packed row, every document cut over all ring ranks (True) or
+    documents whole on one rank each and only the longest cut ("workload"); logits (put back
+    in order with local_token_index), loss and every gradient equal the unpatched model's,
+    windows included; a model call without seq_parallel_index is refused."""
     results, refused = run_ranks(_split_worker, world_size, mode, options)[0]
     assert refused and "seq_parallel_index=local['local_token_index']" in refused
-    for name, model_type, overrides in (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30})):
-        CASES[name] = (model_type, overrides, 2, PACKED_ROWS, PADDING)
+    for (split, name), (logits, loss, grads) in results.items():
+        model_type, overrides = next((t, o) for n, t, o in SPLIT_MODELS if n == name)
+        rows, padding = SPLITS[split]
+        CASES[name] = (model_type, overrides, 2, rows, padding)
         try:
             want = reference(name)
         finally:
             del CASES[name]
-        logits, loss, grads = results[name]
-        logits = logits.masked_fill(PADDING[..., None] == 0, 0.0)
+        if padding is not None:
+            logits = logits.masked_fill(padding[..., None] == 0, 0.0)
         logits_err, loss_err, grad_err = errors((logits, loss, grads), want)
         print(
-            f"{mode} P={world_size} document_split {name}: "
+            f"{mode} P={world_size} document_split={split!r} {name}: "
             f"logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}"
         )
         # measured: logits 2.4e-7, loss 9.5e-7, grads 9e-7

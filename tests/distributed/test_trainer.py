@@ -95,9 +95,12 @@ def test_trainer_world_4(mode, collator, options, reference_batch):
 
 @pytest.mark.timeout(300)
 def test_trainer_left_padding_and_document_split():
-    """Left-padded rows, and packed rows under document_split (a layout per row)."""
+    """Left-padded rows, and packed rows under document_split (a layout per row: every document
+    cut, and documents whole with the longest cut)."""
     _assert_exact(_run(2, "zigzag_ring_attn", "left-padded"), _reference("left-padded", batch=2))
     _assert_exact(_run(2, "dist_flash_attn", "packed", options={"document_split": True}), _reference("packed", batch=2))
+    workload = _run(2, "zigzag_ring_attn", "packed", options={"document_split": "workload"})
+    _assert_exact(workload, _reference("packed", batch=2))
 
 
 @pytest.mark.timeout(300)

@@ -196,6 +196,8 @@ def test_api_refuses_malformed_inputs():
         ec.prepare_seq_parallel_inputs("zigzag_ring_attn", ids, ids[:, :15], ids, 0, 2, "cpu")
     with pytest.raises(ValueError, match="document_split=True works with .* not 'ulysses_attn'"):
         ec.prepare_seq_parallel_inputs("ulysses_attn", ids, None, ids, 0, 2, "cpu", document_split=True)
+    with pytest.raises(ValueError, match=r"document_split='work' is not one of None, False, True .* or 'workload'"):
+        ec.prepare_seq_parallel_inputs("zigzag_ring_attn", ids, None, ids, 0, 2, "cpu", document_split="work")
 
 
 def test_tiled_mlp_refuses_a_tile_size_of_zero():

@@ -165,7 +165,8 @@ def test_document_masking_trains_like_data_parallel(tmp_path):
     assert max(abs(a - b) for a, b in zip(want, unmasked)) > 1e-4  # the rows do hold documents
     runs = {mode: ["--parallel_mode", mode] for mode in ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn")}
     runs["zigzag+balance"] = ["--parallel_mode", "zigzag_ring_attn", "--balance-documents"]  # document_split
-    runs["dist_flash+balance"] = ["--parallel_mode", "dist_flash_attn", "--balance-documents"]  # document_split
+    # document_split="workload": documents whole on one rank, the longest cut
+    runs["dist_flash+balance"] = ["--parallel_mode", "dist_flash_attn", "--balance-documents", "workload"]
     for name, flags in runs.items():
         got, _ = train(tmp_path, name, 2, *flags, *steps)
         assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, got, want)
@@ -175,7 +176,9 @@ def test_document_masking_trains_like_data_parallel(tmp_path):
 @pytest.mark.parametrize("streaming", [False, True], ids=["arrow", "streaming"])
 def test_a_text_dataset_trains_packed_and_resumes_exactly(tmp_path, streaming):
     """--dataset with a text column: tokenized and packed (no separate script), read lazily
-    (or streamed); a resumed run reads exactly the rows of the uninterrupted one."""
+    (or streamed); a resumed run reads exactly the rows of the uninterrupted one. Read lazily,
+    over two data-parallel groups: in the order by attention work (--data-order balanced, the
+    default), which differs from the random order and resumes as exactly."""
     from easy_context.programs.data import stdlib_source_files
 
     documents = [path.read_text(encoding="utf-8", errors="replace")[:3000] for path in stdlib_source_files()[:40]]
@@ -189,9 +192,12 @@ def test_a_text_dataset_trains_packed_and_resumes_exactly(tmp_path, streaming):
         "--checkpointing-steps",
         "2",
         "--document-masking",
-        *(["--streaming"] if streaming else []),
+        *(["--streaming"] if streaming else ["--sp-size", "1"]),  # arrow: 2 data-parallel groups
     ]
     straight, out = train(tmp_path, "straight", 2, *flags)
     assert len(straight) == 4 and straight[-1] < straight[0]
     resumed, _ = train(tmp_path, "straight", 2, *flags, "--resume-from-checkpoint", str(out / "checkpoint-2"))
     assert resumed[-2:] == straight[2:]  # steps 3 and 4, bit for bit
+    if not streaming:
+        in_random_order, _ = train(tmp_path, "random-order", 2, *flags, "--data-order", "random")
+        assert in_random_order != straight

@@ -12,10 +12,8 @@ import random
 import pytest
 import torch
 
-from benchmarks.mask_balance import dist_flash_work, long_tailed_lengths, packed_mask, zigzag_work
-from easy_context.core.balance import split_documents
-
-WORK_OF = {"zigzag_ring_attn": zigzag_work, "dist_flash_attn": dist_flash_work}
+from benchmarks.mask_balance import WORK_OF, long_tailed_lengths, packed_mask, plan_of, rows_moved
+from easy_context.core.balance import _documents, place_documents, split_documents
 
 
 def imbalance(work: list[int]) -> float:
@@ -47,3 +45,58 @@ def test_document_split_balances_long_tailed_packed_rows(mode, size):
         split.append(imbalance(WORK_OF[mode](mask, seq, size, [share[None] for share in shares])))
     assert max(static) > 1.5, static  # the rows are long-tailed enough to need balancing
     assert max(split) <= 1.02, split
+
+
+def _owner(shares, seq):
+    owner = torch.empty(seq, dtype=torch.long)
+    for rank, share in enumerate(shares):
+        owner[share] = rank
+    return owner
+
+
+@pytest.mark.parametrize("mode", WORK_OF)
+@pytest.mark.parametrize("size", [2, 4])
+def test_workload_layout_keeps_documents_whole_balances_and_moves_fewer_rows(mode, size):
+    """document_split="workload" on long-tailed packed rows of 16K: the ranks' work within 1.1
+    (max/min, from the plans), at least half of every row's documents whole on one rank (the
+    longest are cut; measured 55-97%), and the K/V rows the plans fetch from other ranks,
+    summed over the rows, at most 0.9x document_split's (measured 0.3-0.8x). Each rank holds
+    S / R rows, every position once."""
+    seq, zigzag = 16384, mode == "zigzag_ring_attn"
+    moved = {"cut": 0, "workload": 0}
+    for seed in range(4):
+        mask = packed_mask(long_tailed_lengths(seq, random.Random(seed)))
+        valid = torch.ones(seq, dtype=torch.bool)
+        shares = place_documents(mask.first_key[0], valid, size, zigzag)
+        assert [len(share) for share in shares] == [seq // size] * size
+        assert torch.equal(torch.cat(shares).sort().values, torch.arange(seq))
+        assert imbalance(WORK_OF[mode](mask, seq, size, [share[None] for share in shares])) <= 1.1
+        owner, documents = _owner(shares, seq), _documents(mask.first_key[0], valid)
+        whole = sum(len(owner[start : start + n].unique()) == 1 for start, n in documents)
+        assert whole >= len(documents) / 2, (seed, whole, len(documents))
+        moved["workload"] += rows_moved(plan_of(mode, mask, seq, size, shares), seq // size)
+        cut = split_documents(mask.first_key[0], valid, size, zigzag)
+        moved["cut"] += rows_moved(plan_of(mode, mask, seq, size, cut), seq // size)
+    print(f"{mode} P={size}: K/V rows moved, workload / document_split = {moved['workload'] / moved['cut']:.2f}")
+    assert moved["workload"] <= 0.9 * moved["cut"], moved
+
+
+def test_workload_layout_with_padding_and_several_rows():
+    """A padded row: the padding fills every rank up to S / R; a contiguous cut keeps a
+    document's pieces on increasing ranks (dist_flash_attn's schedule has units for those
+    only); and at a tolerance no whole document meets, every document is cut, which is
+    document_split's layout."""
+    seq = 1032  # divisible by 2, 3 and 4
+    lengths = long_tailed_lengths(seq - 200, random.Random(3))
+    first_key = packed_mask(lengths + [200]).first_key[0]
+    valid = torch.arange(seq) < seq - 200
+    for size in (2, 3, 4):
+        for zigzag in (True, False):
+            shares = place_documents(first_key, valid, size, zigzag)
+            assert [len(share) for share in shares] == [seq // size] * size
+            owner = _owner(shares, seq)
+            if not zigzag:
+                for start, n in _documents(first_key, valid):
+                    assert bool((owner[start + 1 : start + n] >= owner[start : start + n - 1]).all())
+            every_cut = place_documents(first_key, valid, size, zigzag, tolerance=1.0)  # no whole document balances
+            assert all(torch.equal(a, b) for a, b in zip(every_cut, split_documents(first_key, valid, size, zigzag)))

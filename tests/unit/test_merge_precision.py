@@ -23,6 +23,9 @@ class KeyBlocksPlan:
     def needs(self, step, rank, size):
         return step == 0
 
+    def keys(self, step, rank, size):
+        return slice(None)
+
     def blocks(self, step, rank, size, q_len, kv_len):
         return [Block(slice(None), slice(i * BLOCK_LEN, (i + 1) * BLOCK_LEN), causal=False) for i in range(BLOCKS)]
 

@@ -122,3 +122,12 @@ def test_cli_takes_fsdp2(capsys):
     assert code == 0 and "| fsdp2 |" in out and "--fsdp   [FSDP2: train.py --fsdp]" in out
     code = P.main(["--model", "tiny-bench", "--seq-length", "8192", "--gpus", "1", "--gpu", "cpu", "--zero", "fsdp2"])
     assert code == 2 and "needs at least 2 GPUs" in capsys.readouterr().err
+
+
+def test_packed_documents_get_the_workload_layout_where_the_mode_takes_one():
+    tiny, cpu = P.PRESETS["tiny-bench"], P.get_device("cpu")
+    for mode, layout in (("zigzag_ring_attn", True), ("ulysses_attn", False)):
+        best = P.plan(tiny, 8192, 2, cpu, modes=[mode], zero_choices=["none"])["recommendation"]
+        line = P.flags_of(best, 8192, packed=True)
+        assert "--document-masking" in line and ("--balance-documents workload" in line) == layout, line
+        assert "--document-masking" not in P.flags_of(best, 8192)

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from easy_context.programs.data.work import packed_row_products
+
 __all__ = [
     "document_positions",
     "load_any_dataset",
@@ -196,6 +198,11 @@ class PackedRows:
 
     def __len__(self) -> int:
         return self.rows
+
+    def row_products(self) -> np.ndarray:
+        """Each row's attention query x key products under --document-masking (its documents'
+        L(L+1)/2), from the document lengths alone (data.work balances DP groups by it)."""
+        return packed_row_products(self.ends, self.length, self.rows)
 
     def __getitem__(self, indices) -> torch.Tensor:
         return torch.stack([self._row(int(i)) for i in indices])

@@ -65,7 +65,7 @@ def table_cells(rank: int, r: dict) -> list:
     ]
 
 
-def render(result: dict, rows: list) -> str:
+def render(result: dict, rows: list, packed: bool = False) -> str:
     m, dev = result["model"], result["device"]
     out = [
         f"model {m['name']}: {result['params'] / 1e9:.2f}B params, hidden {m['hidden']}, "
@@ -95,7 +95,7 @@ def render(result: dict, rows: list) -> str:
             + (f", ring_degree {best['ring_degree']}" if get_mode(best["mode"]).takes_ring_degree else "")
             + f": {best['peak_gib']:.2f} GiB/rank predicted, {best['tokens_per_s']:.0f} tokens/s predicted"
         )
-        out.append("  " + flags_of(best, result["seq_length"]))
+        out.append("  " + flags_of(best, result["seq_length"], packed))
         out.append(f"  memory at the peak ({best['peak_phase']}):")
         for k, v in best["terms_gib"].items():
             out.append(f"    {k}: {v:.2f} GiB")
@@ -151,6 +151,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--loss-chunk-size", type=int, default=None, help="loss chunk to consider (default: logits within 2 GiB)"
     )
+    p.add_argument(
+        "--packed-documents",
+        action="store_true",
+        help="the rows are packed documents: the command gets --document-masking and, in modes that take a "
+        "layout per row, --balance-documents workload",
+    )
     p.add_argument("--top", type=int, default=15, help="rows to print (best first)")
     p.add_argument("--all", action="store_true", help="print every combination")
     p.add_argument("--json", action="store_true", help="the same rows as JSON")
@@ -198,7 +204,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({**result, "rows": rows, "rows_total": len(result["rows"])}, indent=1))
     else:
-        print(render(result, rows))
+        print(render(result, rows, args.packed_documents))
     if result["recommendation"] is None:
         small = result["smallest"]
         more = f"{small['gpus']} x {args.gpu}" if small["gpus"] else "no GPU count up to 65536"

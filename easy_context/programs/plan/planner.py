@@ -111,10 +111,16 @@ def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads
     }
 
 
-def flags_of(row: dict, seq: int) -> str:
-    """train.py / accelerate flags for a row (`seq`: the sequence length planned for)."""
+def flags_of(row: dict, seq: int, packed: bool = False) -> str:
+    """train.py / accelerate flags for a row (`seq`: the sequence length planned for). `packed`:
+    the rows are packed documents: document masking, and in modes that take a layout per row
+    the workload layout (whole short documents, the longest cut; docs/benchmarks.md)."""
     parts = [f"--parallel_mode {row['mode']}"]
     mode = get_mode(row["mode"])
+    if packed:
+        parts.append("--document-masking")
+        if mode.document_split and row["sp_size"] > 1:
+            parts.append("--balance-documents workload")
     if mode.sequence_parallel and row["dp_size"] > 1:
         parts.append(f"--sp-size {row['sp_size']}")
     if mode.takes_ring_degree:
