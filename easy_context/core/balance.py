@@ -11,8 +11,10 @@ benchmarks/mask_balance.py). Two cures, one function each:
                     whatever the lengths, but every document then needs K/V from other ranks;
   place_documents   (document_split="workload") documents stay whole, each on one rank,
                     longest first onto the rank with the least work; only the longest ones
-                    are cut as above, as few as the balance needs. Short documents then cost
-                    no communication, and ring steps and K/V rows no rank needs are skipped.
+                    are cut as above, as few as the balance needs. Ring steps no rank needs
+                    are skipped and K/V rows no query needs stay home, so a short document's
+                    K/V never travels (dist_flash_attn's schedule still sends the query rows
+                    of the units a K/V owner computes for another rank: core/executor.py).
 
 A rank's work here is the query x key products it computes (a document row at offset i
 attends i + 1 keys): those of its whole documents, and an equal share of every cut one. Every

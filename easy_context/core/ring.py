@@ -12,7 +12,7 @@ A step no rank has work for is skipped, and a rank with no work at a step receiv
 decides this from the same plan, so no rank waits on a message that never comes). Of the K/V
 a rank needs, only the rows its queries may attend travel (`keys`): under
 document_split="workload" short documents sit whole on one rank and only the rows of the
-documents cut over the ring are sent. Without masks every step and row is needed and this
+documents cut or spilled over ranks are sent. Without masks every step and row is needed and this
 moves exactly what a ring relay moves.
 """
 

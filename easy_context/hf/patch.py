@@ -137,11 +137,11 @@ def _check_mode_call(query, key, kwargs):
     token_index = kwargs.get("seq_parallel_index")
     if _installed.document_split and token_index is None:
         raise ValueError(
-            "the patch has document_split=True: call the model with "
+            f"the patch has document_split={_installed.document_split!r}: call the model with "
             "seq_parallel_index=local['local_token_index'] from prepare_seq_parallel_inputs"
         )
     if token_index is not None and not _installed.document_split:
-        raise ValueError("seq_parallel_index was passed but the patch has no document_split=True")
+        raise ValueError("seq_parallel_index was passed but the patch has no document_split (True or 'workload')")
     return token_index
 
 

@@ -263,20 +263,21 @@ def test_packed_documents_equal_each_document_run_alone():
         start += length
 
 
-# Long documents among short ones: under document_split="workload" (unpadded) the long ones are
-# cut over the ring, a few spill over two or three ranks and the rest stay whole on one rank.
+# Long documents among short ones: under document_split="workload" the long ones are cut over
+# the ring, (unpadded) a few spill over two or three ranks, and the rest stay whole on one rank.
 WORKLOAD_ROWS = torch.stack([packed([40, 5, 6, 7, 3, 8, 4, 6, 5, 4, 8]), packed([3, 9, 2, 33, 6, 1, 5, 7, 4, 26])])
-SPLITS = {True: (PACKED_ROWS, PADDING), "workload": (WORKLOAD_ROWS, None)}
+# (document_split, position_ids, attention_mask)
+SPLITS = ((True, PACKED_ROWS, PADDING), ("workload", WORKLOAD_ROWS, None), ("workload", WORKLOAD_ROWS, PADDING))
 SPLIT_MODELS = (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30}))
 
 
 def _split_worker(rank, world_size, mode, options):
     results = {}
-    for split, (rows, padding) in SPLITS.items():
+    for case, (split, rows, padding) in enumerate(SPLITS):
         apply_seq_parallel_monkey_patch(mode, "qwen3", document_split=split, **options)
         apply_seq_parallel_monkey_patch(mode, "mistral", document_split=split, **options)
         for name, model_type, overrides in SPLIT_MODELS:
-            results[split, name] = _split_case(rank, world_size, mode, rows, padding, model_type, overrides)
+            results[case, name] = _split_case(rank, world_size, mode, rows, padding, model_type, overrides)
         remove_seq_parallel_monkey_patch()
     apply_seq_parallel_monkey_patch(mode, "qwen3", document_split=True, **options)
     model = tiny_model("qwen3")
@@ -333,9 +334,9 @@ def test_document_split_layout_matches_single_process(mode, world_size, options)
     windows included; a model call without seq_parallel_index is refused."""
     results, refused = run_ranks(_split_worker, world_size, mode, options)[0]
     assert refused and "seq_parallel_index=local['local_token_index']" in refused
-    for (split, name), (logits, loss, grads) in results.items():
+    for (case, name), (logits, loss, grads) in results.items():
         model_type, overrides = next((t, o) for n, t, o in SPLIT_MODELS if n == name)
-        rows, padding = SPLITS[split]
+        split, rows, padding = SPLITS[case]
         CASES[name] = (model_type, overrides, 2, rows, padding)
         try:
             want = reference(name)
@@ -345,7 +346,7 @@ def test_document_split_layout_matches_single_process(mode, world_size, options)
             logits = logits.masked_fill(padding[..., None] == 0, 0.0)
         logits_err, loss_err, grad_err = errors((logits, loss, grads), want)
         print(
-            f"{mode} P={world_size} document_split={split!r} {name}: "
+            f"{mode} P={world_size} document_split={split!r}{' padded' if padding is not None else ''} {name}: "
             f"logits {logits_err:.1e} loss {loss_err:.1e} grads {grad_err:.1e}"
         )
         # measured: logits 2.4e-7, loss 9.5e-7, grads 9e-7

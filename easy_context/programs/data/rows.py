@@ -2,7 +2,8 @@
 
 A training row is `length` tokens (seq_length + 1: inputs and their next-token targets).
 Three sources, one interface (`len(rows)` and `rows[indices] -> (n, length) LongTensor`,
-the same as a tensor of rows, so train.py's micro_batch cannot tell them apart):
+the same as a tensor of rows, so train.py's micro_batch reads them alike; PackedRows also
+gives each row's attention work, `row_products`, for the data-parallel order by work):
 
 - TokenRows: a dataset with an `input_ids` column whose rows are at least `length` long,
   truncated to `length`.
