@@ -307,17 +307,17 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
         return rows_view(grads[1], keys), rows_view(grads[2], keys)
 
     def add_kv(unit, block_dk, block_dv):
+        """Add the dK/dV another rank computed with this rank's K/V rows `keys(unit)`."""
         keys = plan.keys(unit)
-        if isinstance(keys, slice) and covers(keys, k.shape[2]):
-            grads[1] = block_dk if grads[1] is None else grads[1].add_(block_dk)
-            grads[2] = block_dv if grads[2] is None else grads[2].add_(block_dv)
-            return
-        for j, x, block_grad in ((1, k, block_dk), (2, v, block_dv)):
-            if grads[j] is None:
-                grads[j] = torch.zeros_like(x, dtype=acc)
-            if isinstance(keys, slice):
-                rows_view(grads[j], keys).add_(block_grad)
-            else:
+        if isinstance(keys, slice) and covers(keys, k.shape[2]) and grads[1] is None:
+            grads[1], grads[2] = block_dk, block_dv  # the first: no zero-filled total
+        elif isinstance(keys, slice):
+            for total, block_grad in zip(kv_rows(unit), (block_dk, block_dv)):
+                total.add_(block_grad)
+        else:
+            for j, x, block_grad in ((1, k, block_dk), (2, v, block_dv)):
+                if grads[j] is None:
+                    grads[j] = torch.zeros_like(x, dtype=acc)
                 grads[j].index_add_(2, keys, block_grad)
 
     def add_returned(returning):
