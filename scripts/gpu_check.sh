@@ -1,29 +1,38 @@
 #!/usr/bin/env bash
-# Everything a GPU has to show, in one run, into ONE results file. Sized for one H200 within a
-# 480 s deadline (an estimate: it has not run on a GPU yet); sections that the deadline leaves
-# no time for are reported as not run.
+# Everything a GPU has to show, in one run, into ONE results file. Sized for one H200: the
+# sections' limits add up to the 420 s default deadline (the device tool allows 600 s per
+# command, start-up included); a section the deadline leaves no time for is reported as not run.
 #
 #   bash scripts/gpu_check.sh                   # on a CUDA machine: results in gpu_check_results/gpu_check.md
 #   bash scripts/gpu_check.sh --out DIR         # (the device tool's $OUT is used when set)
 #   bash scripts/gpu_check.sh --dry-run         # on CPU: the same sections at CPU sizes (CI runs this)
-#   bash scripts/gpu_check.sh --deadline 480    # seconds for the whole run (default 480; dry run 900)
+#   bash scripts/gpu_check.sh --deadline 420    # seconds for the whole run (default 420; dry run 900)
+#   bash scripts/gpu_check.sh --only kernels,train   # just these sections (a rerun of what failed)
 #
 # Sections (each with its own time limit; one failing does not stop the others):
 #   env         torch / CUDA / GPU, the optional packages, the kernel backends usable per dtype
+#   toolchain   the C compiler Triton needs (flex attention, --compile), before anything compiles
 #   kernels     tools/check_kernels.py: every backend vs fp64, fp32/bf16/fp16, bound 2x SDPA's error
 #   masks       tools/check_gpu_paths.py masks: each backend timed on causal, sliding-window and
-#               packed-document blocks (SKIP lines say what this device cannot run, and why)
+#               packed-document blocks (SKIP lines say what this device cannot run, and why), and
+#               the graphs Dynamo compiled for flex
 #   multirank   tools/check_gpu_paths.py multirank: which gloo ops take this device's tensors; every
 #               mode they can carry on 2 ranks over gloo sharing the GPU; the ring modes in a
 #               2-rank simulation (threads, one process) vs one rank; what stays unexercised (NCCL)
 #   modes_p1    tools/check_exactness.py, every mode on one rank: logits, loss, every gradient
 #               vs the unpatched model (fp32, bf16 weights, fp32 under bf16 autocast)
-#   modes_pN    the same on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
-#   bench       benchmarks/bench_kernels.py: our backends and modes vs flash SDPA, fwd+bwd, S = 8K-64K
+#   softcap     the same for Gemma-2 (softcapped logits, sliding windows: flex), zigzag_ring_attn
+#   modes_pN    every mode on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
+#   generate    tools/check_generate.py: easy_context.generate vs model.generate (1 rank on a GPU,
+#               2 gloo ranks on CPU), left-padded batches, a window, softcap: tokens, logits, ms/token
+#   bench       benchmarks/bench_kernels.py: our backends and modes vs flash SDPA, fwd+bwd, S = 8K, 32K
 #               (flash_attn and ring_flash_attn rows when they import)
-#   train       train.py --from-scratch, 2 steps per memory option (none, checkpointing, + offload,
-#               tiled MLP, loss chunk 1024, all; all under bf16 autocast): final losses must agree
+#   train       train.py --from-scratch, 2 steps: plain, every memory option at once (fp32 and
+#               under bf16 autocast): final losses must agree
 #   peers       ring_flash_attn / yunchang: imported and run when installed, else why not
+#   two_gpu     one line per path one GPU cannot run (NCCL), with the command that runs it on two
+#   compile     train.py --compile vs the eager run: final losses must agree (last: a cold
+#               Inductor compile is the least predictable cost)
 # Exit status: 0 when no section failed (a section skipped for a missing optional package is
 # not a failure; its line says what is missing).
 set -uo pipefail
@@ -32,19 +41,27 @@ REPO=$(pwd)
 
 DRY_RUN=0
 DEADLINE=
+ONLY=
 OUT_DIR=${OUT:-gpu_check_results}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS)" >&2; exit 2 ;;
+    --only) ONLY=${2:?--only needs section names, comma-separated}; shift ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS, --only SECTIONS)" >&2; exit 2 ;;
   esac
   shift
 done
+SECTIONS="env toolchain kernels masks multirank modes softcap generate bench train peers two_gpu compile"
+for name in ${ONLY//,/ }; do
+  case " $SECTIONS " in *" ${name%%_p[0-9]*} "*) ;; *)
+    echo "gpu_check.sh: --only: unknown section '$name' (sections: ${SECTIONS// /, })" >&2; exit 2 ;;
+  esac
+done
 case "$DEADLINE" in ''|*[!0-9]*) [ -z "$DEADLINE" ] || { echo "gpu_check.sh: --deadline takes whole seconds, got '$DEADLINE'" >&2; exit 2; } ;; esac
-DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 900 || echo 480)}  # the device tool allows 600 s per command
+DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 900 || echo 420)}  # the device tool allows 600 s per command
 mkdir -p "$OUT_DIR"
 RESULTS="$OUT_DIR/gpu_check.md"
 WORK=$(mktemp -d)
@@ -65,19 +82,23 @@ if [ "$DRY_RUN" = 1 ]; then
   MULTI=2
   MASK_ARGS="--device cpu --dtypes fp32 --seq-len 256 --iters 1"
   MULTIRANK_ARGS="--device cpu --dtypes fp32 --seq-len 256 --gloo-runs 1"  # modes_p2 runs every mode over gloo
+  GENERATE_ARGS="--prompt-length 128 --new-tokens 8"
+  GENERATE_RANKS=2
 else
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$NGPU" = 0 ]; then
     echo "gpu_check.sh: torch sees no CUDA device; on a CPU machine run it with --dry-run" >&2
     exit 2
   fi
-  KERNEL_ARGS="--device cuda --dtypes fp32,bf16,fp16 --seq-len 2048 --head-dim 128"
+  KERNEL_ARGS="--device cuda --dtypes fp32,bf16 --seq-len 2048 --head-dim 128"  # fp16: bf16's kernels again
   EXACT_ARGS="--seq-length 4096"
-  BENCH_ARGS="--device cuda --seq-len 8192,16384,32768,65536 --iters 5"
-  TRAIN_LEN=16384
+  BENCH_ARGS="--device cuda --seq-len 8192,32768 --iters 3"
+  TRAIN_LEN=8192
   MULTI=$NGPU
-  MASK_ARGS="--device cuda --dtypes bf16,fp32 --seq-len 8192 --head-dim 128 --iters 3"
+  MASK_ARGS="--device cuda --dtypes bf16 --seq-len 8192 --head-dim 128 --iters 3"
   MULTIRANK_ARGS="--device cuda --dtypes fp32,bf16 --seq-len 4096"
+  GENERATE_ARGS="--prompt-length 4096 --new-tokens 24"
+  GENERATE_RANKS=1  # gloo's point-to-point takes no CUDA tensors, and NCCL wants a GPU per rank
 fi
 
 FAILED=0
@@ -93,6 +114,7 @@ SUMMARY=()
 section() {
   local name=$1 limit=$2; shift 2
   local start=$SECONDS status left=$((DEADLINE - SECONDS - 5))
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",${name%%_p[0-9]*},"* && ",$ONLY," != *",$name,"* ]]; then return; fi
   echo "== $name"
   if [ "$left" -lt 10 ]; then  # out of time: say so rather than be killed mid-way
     SUMMARY+=("| $name | FAIL (not run: the ${DEADLINE} s deadline was reached) | 0 |"); FAILED=1
@@ -166,49 +188,91 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 EOF
 }
 
-modes_exact() {  # modes_exact NPROC
-  local nproc=$1 status=0 mode
-  for mode in zigzag_ring_attn dist_flash_attn ulysses_attn usp_attn; do
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m tools.check_exactness \
-      --mode "$mode" --dtypes fp32,bf16 --autocast $EXACT_ARGS || status=1
-  done
-  return $status
+modes_exact() {  # modes_exact NPROC: every mode, one process group
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$1" -m tools.check_exactness \
+    --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn --dtypes fp32,bf16 --autocast $EXACT_ARGS
+}
+
+softcap_exact() {  # Gemma-2: softcapped logits and sliding windows (flex without flash_attn)
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tools.check_exactness \
+    --model-type gemma2 --mode zigzag_ring_attn --dtypes fp32,bf16 $EXACT_ARGS
+}
+
+toolchain() {
+  # Triton (flex on CUDA, torch.compile) compiles a C launcher at its first kernel: without a C
+  # compiler every compiled path fails there, so say so before any of them runs.
+  local cc
+  cc=$(command -v "${CC:-cc}" || command -v gcc || command -v clang) || {
+    echo "no C compiler: Triton cannot build its kernels (flex attention, --compile)."
+    echo "install one (apt-get install gcc, or set CC=/path/to/compiler) and run again"
+    return 1
+  }
+  echo "C compiler: $cc ($("$cc" --version 2>/dev/null | head -n 1))"
+  "$PY" -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton: not installed"
+}
+
+two_gpu_paths() {
+  # What one GPU cannot run: NCCL refuses two ranks on one device.
+  if [ "$NGPU" -ge 2 ]; then echo "modes_p$NGPU ran every mode over NCCL"; return 0; fi
+  echo "not run on one GPU (NCCL needs a GPU per rank); each runs on a machine with 2 GPUs:"
+  echo "  every mode exact over NCCL (collectives, batched P2P): bash scripts/gpu_check.sh (section modes_p2)"
+  echo "  the same by hand: torchrun --standalone --nproc_per_node 2 -m tools.check_exactness --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn"
+  echo "  generate over NCCL: torchrun --standalone --nproc_per_node 2 -m tools.check_generate"
+  echo "  train.py over NCCL: torchrun --standalone --nproc_per_node 2 train.py --from-scratch --max-train-steps 2"
 }
 
 train_options() {
-  # Each memory option changes where activations live, never the numbers: after 2 steps from
-  # one seed every variant's loss must agree with the plain run (rel. 1e-3: fp32, and
-  # non-deterministic GPU reductions across 2 optimizer steps).
-  local nproc=$(( NGPU > 0 ? NGPU : 2 )) name flags
-  local variants=(
-    "plain|"
-    "checkpointing|--activation-checkpointing"
-    "checkpointing_offload|--activation-checkpointing --offload-checkpoints"
-    "tiled_mlp|--tiled-mlp 1024"
-    "loss_chunk_1024|--loss-chunk-size 1024"
-    "all|--activation-checkpointing --offload-checkpoints --tiled-mlp 1024 --loss-chunk-size 1024"
+  # The memory options change where activations live, never the numbers: after 2 steps from one
+  # seed each variant's loss must agree with the plain run (rel. 1e-3: fp32, and non-deterministic
+  # GPU reductions across 2 optimizer steps). tests/ prove each option alone; here they run
+  # together, on the device.
+  local variants=(  # name|mixed precision|flags; a variant that fails is a row, the others still run
+    "plain|no|"
+    "all|no|--activation-checkpointing --offload-checkpoints --tiled-mlp 1024 --loss-chunk-size 1024"
+    "all_bf16|bf16|--activation-checkpointing --offload-checkpoints --tiled-mlp 1024 --loss-chunk-size 1024"
   )
+  local entry name precision flags
   for entry in "${variants[@]}"; do
-    name=${entry%%|*}; flags=${entry#*|}
-    echo "-- $name: $flags"
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" train.py --from-scratch \
-      --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none --output-dir "$WORK/train_$name" \
-      $flags || return 1
+    IFS='|' read -r name precision flags <<< "$entry"
+    train_variant "$name" "$precision" $flags
   done
-  echo "-- all, bf16 autocast (accelerate mixed precision)"
-  ACCELERATE_MIXED_PRECISION=bf16 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" train.py \
-    --from-scratch --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none \
-    --output-dir "$WORK/train_all_bf16" \
-    --activation-checkpointing --offload-checkpoints --tiled-mlp 1024 --loss-chunk-size 1024 || return 1
-  "$PY" - "$WORK" <<'EOF'
+  compare_losses plain all all_bf16
+}
+
+compile_train() {
+  # train.py --compile: the patched decoder under torch.compile, 2 steps, against the eager run
+  # (train's plain run when it ran; else made here).
+  [ -f "$WORK/train_plain/train_summary.json" ] || train_variant plain no
+  train_variant compiled no --compile
+  compare_losses plain compiled
+}
+
+train_variant() {  # train_variant NAME MIXED_PRECISION FLAGS...: 2 steps into $WORK/train_NAME
+  local name=$1 precision=$2 nproc=$(( NGPU > 0 ? NGPU : 2 )); shift 2
+  echo "-- $name: $* (mixed precision: $precision)"
+  ACCELERATE_MIXED_PRECISION=$precision "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
+    train.py --from-scratch --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none \
+    --output-dir "$WORK/train_$name" "$@" || echo "-- $name: train.py failed"
+}
+
+compare_losses() {  # compare_losses BASE NAME...: each final loss vs BASE's; a table
+  "$PY" - "$WORK" "$@" <<'EOF'
 import json, math, sys
-work = sys.argv[1]
-names = ["plain", "checkpointing", "checkpointing_offload", "tiled_mlp", "loss_chunk_1024", "all", "all_bf16"]
-runs = {n: json.load(open(f"{work}/train_{n}/train_summary.json")) for n in names}
-base = runs["plain"]["final_loss"]
+work, names = sys.argv[1], sys.argv[2:]
+def summary(name):
+    try:
+        return json.load(open(f"{work}/train_{name}/train_summary.json"))
+    except OSError:
+        return None
+runs = {n: summary(n) for n in names}
+base = (runs[names[0]] or {}).get("final_loss")
 ok = True
-print("| variant | final loss | rel. diff vs plain | peak GPU MiB/rank | peak RSS MiB/rank |\n|---|---|---|---|---|")
+print(f"| variant | final loss | rel. diff vs {names[0]} | peak GPU MiB/rank | peak RSS MiB/rank |\n|---|---|---|---|---|")
 for n, r in runs.items():
+    if r is None:
+        ok = False
+        print(f"| {n} | failed (see above) | | | |")
+        continue
     if r["final_loss"] is None or base is None:  # train.py writes null for a non-finite loss
         ok = False
         print(f"| {n} | non-finite | | | |")
@@ -243,16 +307,26 @@ print(f"yunchang LongContextAttention P=1 vs SDPA: max err {(out - ref).abs().ma
 EOF
 }
 
-export -f env_report modes_exact train_options peers
+export -f env_report toolchain modes_exact softcap_exact train_options compile_train train_variant compare_losses peers two_gpu_paths
 export PY WORK NGPU EXACT_ARGS TRAIN_LEN
-section env 45 env_report
-section kernels 90 "$PY" -m tools.check_kernels $KERNEL_ARGS
-section masks 60 "$PY" -m tools.check_gpu_paths masks $MASK_ARGS
-section multirank 120 "$PY" -m tools.check_gpu_paths multirank $MULTIRANK_ARGS
-section modes_p1 150 modes_exact 1
-if [ "$MULTI" -ge 2 ]; then section "modes_p$MULTI" 150 modes_exact "$MULTI"; fi
-section bench 120 "$PY" -m benchmarks.bench_kernels $BENCH_ARGS
-section train 240 train_options
-section peers 60 peers
+# limit SECONDS_GPU SECONDS_DRY_RUN: a section's limit. The GPU column adds up to the 420 s
+# default deadline (the device allows 600 s per command, start-up and transfers included);
+# the dry-run column is sized from CPU runs (docs/benchmarks.md has the budget table).
+limit() { if [ "$DRY_RUN" = 1 ]; then echo "$2"; else echo "$1"; fi; }
+section env "$(limit 12 30)" env_report
+section toolchain "$(limit 3 10)" toolchain
+section kernels "$(limit 75 60)" "$PY" -m tools.check_kernels $KERNEL_ARGS
+section masks "$(limit 35 60)" "$PY" -m tools.check_gpu_paths masks $MASK_ARGS
+section multirank "$(limit 40 90)" "$PY" -m tools.check_gpu_paths multirank $MULTIRANK_ARGS
+section modes_p1 "$(limit 25 60)" modes_exact 1
+section softcap "$(limit 45 60)" softcap_exact
+if [ "$MULTI" -ge 2 ]; then section "modes_p$MULTI" "$(limit 60 60)" modes_exact "$MULTI"; fi
+section generate "$(limit 30 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$GENERATE_RANKS" \
+  -m tools.check_generate $GENERATE_ARGS
+section bench "$(limit 40 60)" "$PY" -m benchmarks.bench_kernels $BENCH_ARGS
+section train "$(limit 40 120)" train_options
+section peers "$(limit 3 10)" peers
+section two_gpu "$(limit 2 5)" two_gpu_paths
+section compile "$(limit 70 120)" compile_train  # last: the least predictable (Inductor, cold)
 
 finish  # (also run by the EXIT trap if the run is stopped)

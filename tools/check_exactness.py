@@ -1,10 +1,12 @@
-"""Check a parallel mode against the single-process model, on any machine.
+"""Check parallel modes against the single-process model, on any machine.
 
     torchrun --standalone --nproc_per_node 2 -m tools.check_exactness --mode zigzag_ring_attn
+    torchrun --standalone --nproc_per_node 2 -m tools.check_exactness --mode zigzag_ring_attn,ulysses_attn
 
-Builds a tiny random Llama/Mistral/Qwen model (no download), runs one forward+backward with
-the sequence sharded over the ranks and compares logits, loss and every parameter gradient
-with the unpatched model on the whole sequence. gloo on CPU, NCCL on CUDA (one GPU per
+Several modes share one process group. For each, builds a tiny random model of --model-type
+(no download), runs one forward+backward with the sequence sharded over the ranks and
+compares logits, loss and every parameter gradient with the unpatched model on the whole
+sequence. gloo on CPU, NCCL on CUDA (one GPU per
 local rank). Variants: fp32 (fixed bounds), bf16 weights and, with --autocast, fp32 weights
 under bf16 autocast; a bf16 error may be at most 2x (plus 1/256) the single-process
 model's own bf16 error against fp32. Prints which kernel backends ran; exits 1 when a bound
@@ -30,6 +32,7 @@ from easy_context.programs.launch import exit_process, shutdown
 
 METRICS = ("logits", "loss", "grads")  # max |logits error|, |loss error|, max relative gradient error
 FP32_BOUNDS = (1e-4, 1e-5, 1e-4)
+SP_MODES = [m for m in ec.BUILT_MODES if m != "data_parallel"]
 
 
 @contextlib.contextmanager
@@ -87,7 +90,9 @@ def errors(got, want):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--mode", default="zigzag_ring_attn", choices=[m for m in ec.BUILT_MODES if m != "data_parallel"]
+        "--mode",
+        default="zigzag_ring_attn",
+        help=f"one or more (comma-separated), from {', '.join(SP_MODES)}; several share one process group",
     )
     parser.add_argument("--model-type", default="llama", choices=ec.SUPPORTED_MODEL_TYPES)
     parser.add_argument("--seq-length", type=int, default=1024)
@@ -106,6 +111,9 @@ def main():
     variants = [v.strip() for v in args.dtypes.split(",") if v.strip()] + (["autocast"] if args.autocast else [])
     if not variants or set(variants) - {"fp32", "bf16", "autocast"}:
         parser.error(f"--dtypes takes fp32 and/or bf16, got {args.dtypes!r}")
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    if not modes or set(modes) - set(SP_MODES):
+        parser.error(f"--mode takes one or more of {', '.join(SP_MODES)}, got {args.mode!r}")
 
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -146,17 +154,17 @@ def main():
     tokens = torch.randint(0, 1024, (1, args.seq_length + 1), generator=torch.Generator().manual_seed(1))
     input_ids, target_ids = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     whole = lambda m, autocast=False: run(m, input_ids, None, target_ids, autocast)  # noqa: E731
-    local = ec.prepare_seq_parallel_inputs(
-        args.mode, input_ids, None, target_ids, rank, world, device, ring_degree=args.ring_degree
-    )
 
-    def measure(variant):
+    def measure(mode, variant):
+        local = ec.prepare_seq_parallel_inputs(
+            mode, input_ids, None, target_ids, rank, world, device, ring_degree=args.ring_degree
+        )
         weights = torch.bfloat16 if variant == "bf16" else torch.float32
         autocast = variant == "autocast"
         # Ground truth in fp32 (for bf16: the bf16-rounded weights), and the unpatched model's own error.
         truth = whole(model(weights, torch.float32))
         baseline = errors(whole(model(weights), autocast), truth) if variant != "fp32" else None
-        ec.apply_seq_parallel_monkey_patch(args.mode, args.model_type, ring_degree=args.ring_degree)
+        ec.apply_seq_parallel_monkey_patch(mode, args.model_type, ring_degree=args.ring_degree)
         with recording_backends(set()) as backends:
             ours = run(
                 model(weights),
@@ -167,38 +175,40 @@ def main():
                 dist.group.WORLD,
             )
         ec.remove_seq_parallel_monkey_patch()
-        ours = (ec.gather_seq_parallel_outputs(args.mode, ours[0], ring_degree=args.ring_degree), *ours[1:])
+        ours = (ec.gather_seq_parallel_outputs(mode, ours[0], ring_degree=args.ring_degree), *ours[1:])
         error = errors(ours, truth)
         bounds = FP32_BOUNDS if baseline is None else tuple(2 * b + 1 / 256 for b in baseline)
         passed = all(e <= b for e, b in zip(error, bounds))
         # every rank decides alike (each computed its own truth)
         agreed = torch.tensor([float(passed)], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        row = {"variant": variant, "backends": sorted(backends), "errors": dict(zip(METRICS, error))}
+        row = {"mode": mode, "variant": variant, "backends": sorted(backends), "errors": dict(zip(METRICS, error))}
         return {**row, "bounds": dict(zip(METRICS, bounds)), "ok": bool(agreed.item())}
 
     rows = []
-    for variant in variants:
-        row = measure(variant)
-        if not row["ok"]:
-            # On a loaded CPU torch's fp32 exp was seen off by 1.5e-4, rarely (tests/conftest.py's
-            # NUMERIC): a failing variant is measured once more, and fails if it fails twice.
-            row = {**measure(variant), "first_errors": row["errors"]}
-        rows.append(row)
+    for mode in modes:
+        for variant in variants:
+            row = measure(mode, variant)
+            if not row["ok"]:
+                # On a loaded CPU torch's fp32 exp was seen off by 1.5e-4, rarely (tests/conftest.py's
+                # NUMERIC): a failing variant is measured once more, and fails if it fails twice.
+                row = {**measure(mode, variant), "first_errors": row["errors"]}
+            rows.append(row)
     ok = all(row["ok"] for row in rows)
 
     if rank == 0:
-        print(
-            f"{args.mode} on {world} ranks ({device.type}, {dist.get_backend()}), "
-            f"{args.model_type}, {args.seq_length} tokens"
-        )
-        print(f"{'variant':9} {'kernels (q dtype)':22}{'logits':^19}{'loss':^19}{'grads (rel)':^19}  ok")
-        for row in rows:
-            cells = "".join(f" {row['errors'][m]:8.1e} <={row['bounds'][m]:7.1e}" for m in METRICS)
-            print(f"{row['variant']:9} {','.join(row['backends']):22}{cells}  {'yes' if row['ok'] else 'NO'}")
-            if "first_errors" in row:
-                first = ", ".join(f"{m} {e:.1e}" for m, e in row["first_errors"].items())
-                print(f"          (measured twice: the first run was outside the bounds: {first})")
+        for mode in modes:
+            print(
+                f"{mode} on {world} ranks ({device.type}, {dist.get_backend()}), "
+                f"{args.model_type}, {args.seq_length} tokens"
+            )
+            print(f"{'variant':9} {'kernels (q dtype)':22}{'logits':^19}{'loss':^19}{'grads (rel)':^19}  ok")
+            for row in (r for r in rows if r["mode"] == mode):
+                cells = "".join(f" {row['errors'][m]:8.1e} <={row['bounds'][m]:7.1e}" for m in METRICS)
+                print(f"{row['variant']:9} {','.join(row['backends']):22}{cells}  {'yes' if row['ok'] else 'NO'}")
+                if "first_errors" in row:
+                    first = ", ".join(f"{m} {e:.1e}" for m, e in row["first_errors"].items())
+                    print(f"          (measured twice: the first run was outside the bounds: {first})")
         print("errors against fp32; bf16/autocast bounds: 2x the single-process model's own error + 1/256")
         if args.json:
             report = {

@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,7 @@ def check(device, dtype, seq, head_dim):
         bounds = [2 * e + FLOORS[dtype] for e in ref]
         for backend in kernels.available_backends(device.type, dtype, head_dim, capability, masked=masked):
             chosen = kernels.BACKENDS[backend]
+            started = time.perf_counter()
             try:
                 out, lse = kernels.attention_forward(q, k, v, causal, scale, backend=chosen, mask=mask)
                 dq, dk, dv = kernels.attention_backward(
@@ -115,6 +117,8 @@ def check(device, dtype, seq, head_dim):
                     }
                 )
                 continue
+            # progress as it goes (a first call compiles: flex's seconds here are its compile time)
+            print(f"  {backend} {dtype} {name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             errors = [max_error(x, w) for x, w in zip((out, dq, dk, dv), (want[0], *want[2:]))]
             lse_error = ((lse.double() - want[1]).abs() / want[1].abs().clamp(min=1)).max().item()
             ok = all(e <= b for e, b in zip(errors, bounds)) and lse_error <= LSE_RELATIVE[dtype]

@@ -42,6 +42,7 @@ def trial(op: str, device, rank: int) -> bool:
 def main() -> None:
     device, init, rank, ops = torch.device(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # set_device needs an index
         torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     for op in ops:

@@ -29,13 +29,15 @@ them: the caller runs such a block one document at a time (masking.Block.split).
 
 Backends, picked per call from the tensors' device, dtype and head dim (override with
 EASY_CONTEXT_KERNEL):
-  cpu_flash       torch's fused CPU flash-attention op (private aten op, pinned by tests); masks
+  cpu_flash       torch's fused CPU flash-attention op (private aten op, pinned by tests); masks;
+                  windows in tiles of the band (backends.band)
   flash_attn      Dao-AILab flash_attn on CUDA, fp16/bf16 (optional dependency); softcap
   flex            torch's FlexAttention, compiled, on CUDA: masks, softcap, windows, any mix of
                   them (softcap with a mask, documents inside a window); on CPU only when forced
                   (eager, the whole score matrix at once: for tests of its algebra)
   cuda_flash      torch's fused CUDA flash op, fp16/bf16
-  cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks
+  cuda_efficient  torch's fused CUDA memory-efficient op, fp32/fp16/bf16; masks; windows in
+                  tiles of the band (backends.band), as cpu_flash
   math            pure torch, fp32 accumulation, any device; masks, softcap; the reference and
                   the fallback; computed in tiles of query rows (backends.math_tiles.tile_logits: on
                   CPU MATH_TILE_LOGITS logits at a time, on CUDA sized from the free memory)
@@ -137,7 +139,9 @@ BACKENDS = {
     "cuda_flash": Backend(
         "cuda_flash", cuda_flash_forward, cuda_flash_backward, supports_window=True, supports_segments=True
     ),
-    "cuda_efficient": Backend("cuda_efficient", cuda_efficient_forward, cuda_efficient_backward, supports_mask=True),
+    "cuda_efficient": Backend(
+        "cuda_efficient", cuda_efficient_forward, cuda_efficient_backward, supports_mask=True, supports_window=True
+    ),
     "flash_attn": Backend(
         "flash_attn", flash_attn_forward, flash_attn_backward, supports_softcap=True, supports_window=True
     ),

@@ -2,6 +2,7 @@
 unpatched model on the full rows: logits (non-padding tokens), loss and every parameter
 gradient, fp32, GQA, batch 1 and 2."""
 
+import logging
 import os
 
 import pytest
@@ -101,13 +102,13 @@ def summed_grads(model, group):
     return grads
 
 
-def worker(rank, world_size, mode, options, names=tuple(CASES)):
-    for model_type in sorted({CASES[name][0] for name in names}):
+def worker(rank, world_size, mode, options, names=tuple(CASES), cases=CASES):
+    for model_type in sorted({cases[name][0] for name in names}):
         apply_seq_parallel_monkey_patch(mode, model_type, **options)
     group = active_patch().groups().sp
     results = {}
     for name in names:
-        model_type, overrides, batch, positions, mask = CASES[name]
+        model_type, overrides, batch, positions, mask = cases[name]
         model = tiny_model(model_type, **overrides)
         input_ids, target_ids = targets(batch, mask)
         local = prepare_seq_parallel_inputs(
@@ -198,10 +199,18 @@ def test_masked_models_match_single_process(mode, world_size, options):
 
 # Softcap with a mask, documents in a window, packed documents: what the flex backend is for.
 FLEX_CASES = ("softcap-packed", "packed-padded-window", "packed-b2")
+# The first two again with other windows: the same structures with other values (window bounds,
+# which K/V rows travel), which must compile nothing new.
+FLEX_OTHER_WINDOWS = {
+    "softcap-packed": ("gemma2", {"sliding_window": 12}, 2, PACKED_ROWS, None),
+    "packed-padded-window": ("mistral", {"sliding_window": 45}, 2, PACKED_ROWS, PADDING),
+}
 
 
 def _flex_worker(rank, world_size):
     os.environ["EASY_CONTEXT_KERNEL"] = "flex"  # this spawned rank's own environment
+    # flex compiled as on CUDA, with Dynamo's eager backend: the graphs and guards without Triton
+    os.environ[flex_backend.FLEX_COMPILE_ENV] = "eager"
     flex = kernels.BACKENDS["flex"]
     calls = {"forward": 0, "backward": 0}
 
@@ -215,17 +224,34 @@ def _flex_worker(rank, world_size):
     kernels.BACKENDS["flex"] = flex._replace(
         forward=counted("forward", flex.forward), backward=counted("backward", flex.backward)
     )
-    return worker(rank, world_size, "zigzag_ring_attn", {}, FLEX_CASES), calls
+    from torch._dynamo.utils import counters
+
+    limit_hits = []  # past its recompile limit Dynamo warns once per function and runs it eager
+    handler = logging.Handler()
+    handler.emit = lambda record: limit_hits.extend([record.getMessage()] * ("recompile_limit" in record.getMessage()))
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    results = worker(rank, world_size, "zigzag_ring_attn", {}, FLEX_CASES)
+    calls["graphs"] = counters["stats"]["unique_graphs"]
+    worker(rank, world_size, "zigzag_ring_attn", {}, tuple(FLEX_OTHER_WINDOWS), FLEX_OTHER_WINDOWS)
+    calls["graphs_after_other_windows"] = counters["stats"]["unique_graphs"]
+    calls["recompile_limit_hits"] = limit_hits
+    return results, calls
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not flex_backend.flex_usable(), reason="this torch has no FlexAttention")
 def test_flex_kernel_forced_matches_single_process():
     """EASY_CONTEXT_KERNEL=flex on CPU: every block of the ring, masked or not, softcapped or not,
-    runs through FlexAttention (its eager CPU path), and the model stays exact."""
+    runs through FlexAttention, compiled as on CUDA (Dynamo, eager backend; the backward on its
+    eager CPU path), and the model stays exact."""
     ranks = run_ranks(_flex_worker, 2, timeout=270)
     for _, calls in ranks:
         assert calls["forward"] > 0 and calls["backward"] > 0
+        # Compiled as on CUDA: never past Dynamo's recompile limit (flex would run eager there,
+        # materialising every score), and other window values compile nothing new.
+        print(f"flex graphs compiled: {calls['graphs']}, then with other windows {calls['graphs_after_other_windows']}")
+        assert not calls["recompile_limit_hits"], calls["recompile_limit_hits"][0]
+        assert 0 < calls["graphs"] == calls["graphs_after_other_windows"]
     results = ranks[0][0]
     for name in FLEX_CASES:
         mask = CASES[name][4]

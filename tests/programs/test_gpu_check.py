@@ -5,6 +5,7 @@ bench_kernels must time our layer next to SDPA with matching outputs."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + results[-6000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.md"]
     summary = results.split("## Summary")[1]
-    for section in ("env", "kernels", "masks", "multirank", "modes_p1", "modes_p2", "bench", "train"):
+    for section in SECTIONS:
         assert f"| {section} | PASS |" in summary, summary
     masks = results.split("## masks")[1].split("## multirank")[0]
     for case in ("causal", "window", "documents"):  # timed on CPU; the CUDA backends say why not
@@ -116,11 +117,39 @@ def test_gpu_check_dry_run(tmp_path):
     assert results.count("ok") >= 8 and " NO" not in results.split("## bench")[0]
 
 
+SECTIONS = (
+    "env", "toolchain", "kernels", "masks", "multirank", "modes_p1", "softcap", "modes_p2", "generate", "bench",
+    "train", "two_gpu", "compile",
+)  # fmt: skip
+
+
+def test_gpu_check_budget_fits_its_deadlines():
+    """Every section has a limit on a GPU and in the dry run, and each column adds up to at most
+    its default deadline (420 s on one H200: the device allows 600 s per command, start-up
+    included; 900 s on CPU), so no section is cut short by the ones before it."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    limits = [
+        (name, int(gpu), int(dry))
+        for name, gpu, dry in re.findall(r'\bsection "?([\w$]+)"? "\$\(limit (\d+) (\d+)\)"', script)
+    ]
+    assert {name.replace("$MULTI", "2") for name, _, _ in limits} == {*SECTIONS, "peers"}, limits
+    deadlines = re.search(r'DEADLINE=\$\{DEADLINE:-\$\(\[ "\$DRY_RUN" = 1 \] && echo (\d+) \|\| echo (\d+)\)\}', script)
+    dry_deadline, gpu_deadline = int(deadlines[1]), int(deadlines[2])
+    one_gpu = [gpu for name, gpu, _ in limits if name != "modes_p$MULTI"]  # modes_pN: several GPUs only
+    assert gpu_deadline == 420 and sum(one_gpu) <= gpu_deadline, limits
+    assert sum(dry for _, _, dry in limits) <= dry_deadline, limits
+
+
 def test_gpu_check_refuses_bad_arguments(tmp_path):
     run = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--frobnicate"], capture_output=True, text=True, timeout=30
     )
     assert run.returncode == 2 and "unknown argument '--frobnicate'" in run.stderr
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--only", "kernels,frob"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert run.returncode == 2 and "--only: unknown section 'frob'" in run.stderr
 
 
 @pytest.mark.timeout(180)

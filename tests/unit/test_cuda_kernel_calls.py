@@ -25,6 +25,7 @@ from test_kernels import assert_close, inputs, make_mask, reference, window_trut
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from easy_context.core import kernels
+from easy_context.core.backends import band
 from easy_context.core.backends import cuda as cuda_backend
 from easy_context.core.backends import flash_attn as flash_attn_backend
 
@@ -618,3 +619,38 @@ def test_cuda_flash_documents_take_the_variable_length_call(causal, window):
     flash_calls = [(f, a) for f, a, _ in rec.calls if "flash" in str(f)]
     assert len(flash_calls) == 3  # one per document, each a dense call of its batch rows
     assert all(a[0].dim() == 4 and a[0].shape[0] == 2 for _, a in flash_calls)
+
+
+@pytest.mark.parametrize("window", [(20, 0), (9, 4), (30, -1), (-1, 6)])
+@pytest.mark.parametrize("hq,hkv,sq,sk", [(4, 2, 96, 96), (4, 4, 64, 120), (4, 2, 100, 70)])
+def test_cuda_efficient_window_computes_only_the_band(monkeypatch, stand_in_efficient_op, window, hq, hkv, sq, sk):
+    """fp32 windows (no flash kernel): cuda_efficient runs the band in tiles of rows, each tile's
+    bias covering only the keys its rows reach (more queries than keys: the window as a mask,
+    rows may be empty), and matches the reference in both directions."""
+    monkeypatch.setattr(band, "BAND_TILE_ROWS", 16)
+    monkeypatch.setattr(band, "BAND_WHOLE_PRODUCTS", 0)
+    q, k, v, dout = inputs(hq, hkv, sq, sk, torch.float32, layout="bshd", seed=5)
+    be, scale = kernels.BACKENDS["cuda_efficient"], 0.3
+    recorder = CallRecorder()
+    with recorder:
+        out, lse = kernels.attention_forward(q, k, v, False, scale, be, window=window)
+        dq, dk, dv = kernels.attention_backward(dout, q, k, v, out, lse, False, scale, be, window=window)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference(qr, kr, vr, False, scale, window_truth(sq, sk, window))
+    ref_out.backward(dout.double())
+    assert_close(out, ref_out, 2e-6)
+    assert_close(lse, ref_lse, 2e-6)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert_close(got, want, 2e-6 * max(1.0, want.abs().max().item()))
+    products = [
+        args[3].shape[-2] * args[3].shape[-1] if args[3] is not None else sq * sk
+        for func, args, _ in recorder.calls
+        if func == aten._scaled_dot_product_efficient_attention.default
+    ]
+    left, right = window
+    if sq > sk:
+        assert products == [sq * sk]
+    elif left >= 0 and right >= 0:  # a band bounded on both sides: a tile's rows plus the band's width
+        assert len(products) > 1 and sum(products) <= sq * (band.BAND_TILE_ROWS + left + right), products
+    else:  # unbounded on one side: the triangle the window leaves out is still skipped
+        assert len(products) > 1 and sum(products) < sq * sk, products

@@ -5,6 +5,7 @@ mask, documents inside a window), and its backward given the global out/lse of m
 The CUDA path runs the same code compiled; what differs there (Triton kernels, the public
 function with grads) is not exercised here."""
 
+import logging
 import math
 
 import pytest
@@ -205,3 +206,40 @@ def test_flex_through_attention_forward_counts_and_checks_like_the_others(monkey
     want_grads = kernels.attention_backward(dout, q, k, v, *want, False, 0.25, MATH, mask=mask, softcap=2.0)
     for got, ref in zip(grads, want_grads):
         assert_close(got, ref, 2e-5 * max(1.0, ref.abs().max().item()))
+
+
+def test_flex_compiles_once_per_call_structure(monkeypatch):
+    """flex runs compiled as on CUDA (Dynamo's eager backend here): calls at several lengths and
+    windows stay within the compiled callable's recompile limit, past which flex would run eager
+    and materialise every score, and more lengths and windows compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv(flex.FLEX_COMPILE_ENV, "eager")
+    # Dynamo's own limit far below what these calls compile: the compiled flex carries its own
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    counters.clear()
+    limit_hits = []
+    handler = logging.Handler()
+    handler.emit = lambda record: limit_hits.extend([record.getMessage()] * ("recompile_limit" in record.getMessage()))
+    logging.getLogger("torch._dynamo").addHandler(handler)
+
+    def calls(shapes, windows):
+        for sq, sk in shapes:
+            q, k, v, _ = inputs(4, 2, sq, sk, torch.float32)
+            per_row = make_mask("block_diagonal", sq, sk)  # (2, 1, Sq, Sk): documents differ per row
+            for window in windows:  # two structures: a window alone; documents per row, softcapped
+                flex.flex_forward(q, k, v, False, 0.25, window=window)
+                flex.flex_forward(q, k, v, False, 0.25, mask=per_row, softcap=2.0, window=window)
+
+    try:
+        # Dynamo compiles a structure's first call at its sizes, and makes the query and key
+        # lengths symbolic once each has changed: then no length or window compiles again.
+        calls(((16, 16), (16, 40), (24, 24)), ((3, 2), (-1, 0)))
+        first = counters["stats"]["unique_graphs"]
+        calls(((8, 56), (40, 40)), ((5, 0), (2, 7)))
+        assert not limit_hits, limit_hits[0]
+        assert 0 < first == counters["stats"]["unique_graphs"] <= flex.RECOMPILE_LIMIT // 2, (first, counters["stats"])
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+        torch._dynamo.reset()

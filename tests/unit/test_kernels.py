@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from easy_context.core import kernels
-from easy_context.core.backends import cpu_flash, math_tiles
+from easy_context.core.backends import band, math_tiles
 from easy_context.core.blocks import merge_block
 
 CPU_BACKENDS = kernels.available_backends("cpu", torch.float32)
@@ -474,10 +474,10 @@ def test_window_blocks_match_the_reference(backend, dtype, tol, sq, sk, window):
 @pytest.mark.parametrize("window", [(100, 0), (40, -1), (3, 5), (-1, 2), (70, 0)])
 def test_cpu_band_tiles_match_the_reference(monkeypatch, window):
     """cpu_flash runs a long band in row tiles, each against the keys its rows reach."""
-    monkeypatch.setattr(cpu_flash, "BAND_TILE_ROWS", 16)
-    monkeypatch.setattr(cpu_flash, "BAND_WHOLE_PRODUCTS", 0)
+    monkeypatch.setattr(band, "BAND_TILE_ROWS", 16)
+    monkeypatch.setattr(band, "BAND_WHOLE_PRODUCTS", 0)
     sq, sk = 72, 110
-    assert len(cpu_flash.band_tiles(sq, sk, window)) > 1
+    assert len(band.band_tiles(sq, sk, window)) > 1
     q, k, v, dout = inputs(4, 2, sq, sk, torch.float32, layout="bshd", seed=4)
     be, scale = kernels.BACKENDS["cpu_flash"], 0.3
     out, lse = kernels.attention_forward(q, k, v, False, scale, be, window=window)

@@ -8,8 +8,9 @@ softcap, windows): kernels.py's docstring.
 One file per backend family:
   masks.py       helpers several backends share (additive biases, band masks, empty rows,
                  the accumulation dtype)
+  band.py        the band path: a window in tiles of query rows (backends with a bias, no window)
   math_tiles.py  math: pure torch, in tiles of query rows; the reference and the fallback
-  cpu_flash.py   cpu_flash: torch's fused CPU op, and its band path for windows
+  cpu_flash.py   cpu_flash: torch's fused CPU op
   cuda.py        cuda_flash and cuda_efficient: torch's fused CUDA ops
   flash_attn.py  flash_attn: the optional flash_attn package (imported on first use)
   flex.py        flex: torch's FlexAttention
@@ -17,13 +18,8 @@ One file per backend family:
 
 from __future__ import annotations
 
-from easy_context.core.backends.cpu_flash import (
-    BAND_TILE_ROWS,
-    BAND_WHOLE_PRODUCTS,
-    band_tiles,
-    cpu_flash_backward,
-    cpu_flash_forward,
-)
+from easy_context.core.backends.band import BAND_TILE_ROWS, BAND_WHOLE_PRODUCTS, band_tiles
+from easy_context.core.backends.cpu_flash import cpu_flash_backward, cpu_flash_forward
 from easy_context.core.backends.cuda import (
     cuda_efficient_backward,
     cuda_efficient_forward,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from easy_context.core.backends.band import band_backward, band_forward, window_as_mask
 from easy_context.core.backends.masks import INF, additive_bias, backward_lse, clear_empty_rows
 from easy_context.core.backends.segments import cu_seqlens, segments_backward, segments_forward
 
@@ -159,19 +160,41 @@ def _with_dense_rows(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def cuda_efficient_forward(q, k, v, causal, scale, mask=None):
-    # The op wants equal head counts: repeat K/V for GQA here only.
-    n_rep = q.shape[1] // k.shape[1]
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), _efficient_bias(mask, q), True, 0.0, causal, scale=scale
-    )
-    lse = lse[..., : q.shape[2]]
+def cuda_efficient_forward(q, k, v, causal, scale, mask=None, window=None):
+    mask = window_as_mask(q, k, mask, window)
+    if mask is None and window is not None:  # only the band, not Sq x Sk scores (band.py)
+        return band_forward(_efficient_band_forward, q, k, v, scale, window, _EFFICIENT_BIAS_ALIGN)
+    out, lse = _efficient_forward(q, k, v, causal, scale, _efficient_bias(mask, q))
     if mask is not None:  # unverified what the kernel gives rows with no allowed key: overwrite it
         out, lse = clear_empty_rows(out, lse, mask)
     return out, lse
 
 
-def cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+def _efficient_forward(q, k, v, causal, scale, bias):
+    # The op wants equal head counts: repeat K/V for GQA here only.
+    n_rep = q.shape[1] // k.shape[1]
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), bias, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.shape[2]]
+
+
+def _efficient_band_forward(q, k, v, scale, bias):
+    return _efficient_forward(q, k, v, False, scale, bias.expand(q.shape[0], q.shape[1], -1, -1))
+
+
+def cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
+    mask = window_as_mask(q, k, mask, window)
+    if mask is None and window is not None:
+        return band_backward(_efficient_band_backward, dout, q, k, v, out, lse, scale, window, _EFFICIENT_BIAS_ALIGN)
+    return _efficient_backward(dout, q, k, v, out, lse, causal, scale, _efficient_bias(mask, q))
+
+
+def _efficient_band_backward(dout, q, k, v, out, lse, scale, bias):
+    return _efficient_backward(dout, q, k, v, out, lse, False, scale, bias.expand(q.shape[0], q.shape[1], -1, -1))
+
+
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale, bias):
     n_rep = q.shape[1] // k.shape[1]
     seed = offset = torch.empty((), dtype=torch.int64, device=q.device)  # read only with dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
@@ -179,9 +202,9 @@ def cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
         q,
         _repeat_kv(k, n_rep),
         _repeat_kv(v, n_rep),
-        _efficient_bias(mask, q),
+        bias,
         _with_dense_rows(out),
-        _efficient_backward_lse(lse, mask is not None),
+        _efficient_backward_lse(lse, bias is not None),
         seed,
         offset,
         0.0,

@@ -57,8 +57,10 @@ def band_mask(sq: int, sk: int, window: tuple[int, int], device: torch.device) -
 
 
 @functools.lru_cache(maxsize=32)
-def band_bias(sq: int, sk: int, window: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return additive_bias(band_mask(sq, sk, window, device), dtype)
+def band_bias(
+    sq: int, sk: int, window: tuple[int, int], dtype: torch.dtype, device: torch.device, key_align: int = 1
+) -> torch.Tensor:
+    return additive_bias(band_mask(sq, sk, window, device), dtype, key_align)
 
 
 def clear_empty_rows(out, lse, mask, clear_out: bool = True):
