@@ -49,10 +49,12 @@ def flex_compilable() -> bool:
 
 # Compiled graphs are bounded by the call's structure, not its values: window bounds, softcap
 # and masks reach the mask/score functions as tensors (Dynamo guards a Python number in a
-# closure by value, a tensor by its metadata), and the functions come from the fixed set below,
-# so each distinct (structure, dtype, grad mode) is one graph, whatever the windows, lengths or
-# documents. Past torch.compile's recompile limit flex would run eager, materialising the whole
-# score matrix: the limit of this one callable is raised to cover every structure.
+# closure by value, a tensor by its metadata), the functions come from the fixed set below, and
+# the block mask is built inside the compiled call (its lengths stay symbolic). So each distinct
+# (structure, dtype, grad mode) compiles a few graphs (Dynamo makes a length symbolic once it
+# has changed) and then none, whatever the windows, lengths or documents. Past torch.compile's
+# recompile limit flex would run eager, materialising the whole score matrix: the limit of this
+# one callable is raised to cover every structure.
 RECOMPILE_LIMIT = 64
 # EASY_CONTEXT_FLEX_COMPILE=BACKEND runs flex compiled on any device with that torch.compile
 # backend ("eager" or "aot_eager" on CPU: Dynamo's graphs and guards without Triton, to count
