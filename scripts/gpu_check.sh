@@ -12,7 +12,7 @@
 # Sections (each with its own time limit; one failing does not stop the others):
 #   env         torch / CUDA / GPU, the optional packages, the kernel backends usable per dtype
 #   toolchain   the C compiler Triton needs (flex attention, --compile), before anything compiles
-#   kernels     tools/check_kernels.py: every backend vs fp64, fp32/bf16/fp16, bound 2x SDPA's error
+#   kernels     tools/check_kernels.py: every backend vs fp64, fp32 and bf16, bound 2x SDPA's error
 #   masks       tools/check_gpu_paths.py masks: each backend timed on causal, sliding-window and
 #               packed-document blocks (SKIP lines say what this device cannot run, and why), and
 #               the graphs Dynamo compiled for flex
@@ -49,7 +49,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
     --only) ONLY=${2:?--only needs section names, comma-separated}; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS, --only SECTIONS)" >&2; exit 2 ;;
   esac
   shift
