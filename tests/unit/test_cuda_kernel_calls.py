@@ -654,3 +654,30 @@ def test_cuda_efficient_window_computes_only_the_band(monkeypatch, stand_in_effi
         assert len(products) > 1 and sum(products) <= sq * (band.BAND_TILE_ROWS + left + right), products
     else:  # unbounded on one side: the triangle the window leaves out is still skipped
         assert len(products) > 1 and sum(products) < sq * sk, products
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 3), (4, 4)])
+def test_cuda_efficient_decoding_step_reads_the_cache_as_it_is(stand_in_efficient_op, masked, hq, hkv):
+    """A decoding step (one query row) with GQA: the query heads of a K/V head become rows of it,
+    so nothing the size of the cache is made per layer per token (no K/V repeat, one bias row per
+    batch row); out and lse are the reference's (a left-padded row: its padding masked out)."""
+    sk = 56
+    q, k, v, _ = inputs(hq, hkv, 1, sk, torch.float32, layout="bshd", seed=6)
+    mask = torch.ones(2, 1, 1, sk, dtype=torch.bool)
+    mask[1, ..., :19] = False  # batch row 1 is left-padded
+    mask = mask if masked else None
+    be = kernels.BACKENDS["cuda_efficient"]
+    with CallRecorder() as rec:
+        out, lse = kernels.attention_forward(q, k, v, False, 0.3, be, mask=mask)
+    kernel = rec.only(aten._scaled_dot_product_efficient_attention.default)
+    assert kernel["key"] is k and kernel["value"] is v  # the cache shard as it is
+    assert aten.repeat_interleave not in rec.ops()
+    if masked:
+        bias = kernel["attn_bias"]
+        assert bias.shape == (2, hkv, hq // hkv, sk) and bias.stride(1) == 0
+        assert hq == hkv or bias.stride(2) == 0  # folded heads share the bias row
+    qr, kr, vr = (x.double() for x in (q, k, v))
+    ref_out, ref_lse = reference(qr, kr, vr, False, 0.3, mask)
+    assert_close(out, ref_out, 2e-6)
+    assert_close(lse, ref_lse, 2e-6)

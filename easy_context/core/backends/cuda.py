@@ -173,10 +173,28 @@ def cuda_efficient_forward(q, k, v, causal, scale, mask=None, window=None):
 def _efficient_forward(q, k, v, causal, scale, bias):
     # The op wants equal head counts: repeat K/V for GQA here only.
     n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1 and q.shape[2] == 1 and not causal:
+        return _efficient_forward_one_row(q, k, v, scale, bias, n_rep)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), bias, True, 0.0, causal, scale=scale
     )
     return out, lse[..., : q.shape[2]]
+
+
+def _efficient_forward_one_row(q, k, v, scale, bias, n_rep):
+    """One query row per head (a decoding step): the n_rep query heads that read one K/V head
+    become n_rep rows of that head, so the K/V, a whole cache shard, is read as it is instead of
+    repeated per query head (heads g * n_rep .. g * n_rep + n_rep - 1 read K/V head g, as
+    _repeat_kv's repeat_interleave pairs them). The bias's one row serves all of them (stride 0)."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    rows = q.reshape(b, hkv, n_rep, d)
+    if bias is not None:
+        bias = bias[:, :1, :1].expand(b, hkv, n_rep, bias.shape[-1])
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        rows, k, v, bias, True, 0.0, False, scale=scale
+    )
+    return out.reshape(b, hq, 1, v.shape[-1]), lse[..., :n_rep].reshape(b, hq, 1)
 
 
 def _efficient_band_forward(q, k, v, scale, bias):
