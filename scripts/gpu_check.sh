@@ -33,6 +33,7 @@
 #   two_gpu     one line per path one GPU cannot run (NCCL), with the command that runs it on two
 #   compile     train.py --compile vs the eager run: final losses must agree (last: a cold
 #               Inductor compile is the least predictable cost)
+# The results file opens with the summary (PASS/FAIL per section) and the speed table.
 # Exit status: 0 when no section failed (a section skipped for a missing optional package is
 # not a failure; its line says what is missing).
 set -uo pipefail
@@ -49,7 +50,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
     --only) ONLY=${2:?--only needs section names, comma-separated}; shift ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS, --only SECTIONS)" >&2; exit 2 ;;
   esac
   shift
@@ -147,7 +148,12 @@ section() {
 finish() {
   [ -n "${FINISHED:-}" ] && return
   FINISHED=1
+  # The file reads in a minute: the title, the summary and the speed table first, the sections'
+  # own output after them.
+  local details
+  details=$(tail -n +4 "$RESULTS")
   {
+    head -n 3 "$RESULTS"
     echo
     echo "## Summary"
     echo
@@ -156,7 +162,16 @@ finish() {
     printf '%s\n' "${SUMMARY[@]}"
     echo
     echo "total ${SECONDS} s"
-  } >> "$RESULTS"
+    if grep -qs '^|' "$WORK/bench.log"; then
+      echo
+      echo "## Speed against flash SDPA (bench)"
+      echo
+      grep '^|' "$WORK/bench.log"
+    fi
+    echo
+    echo "# The sections' output"
+    printf '%s\n' "$details"
+  } > "$RESULTS.new" && mv "$RESULTS.new" "$RESULTS"
   printf '%s\n' "${SUMMARY[@]}"
   echo "total ${SECONDS} s; results in $RESULTS"
   rm -rf "$WORK"

@@ -101,6 +101,8 @@ def test_gpu_check_dry_run(tmp_path):
     results = (tmp_path / "gpu_check.md").read_text()
     assert run.returncode == 0, run.stdout[-3000:] + results[-6000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.md"]
+    # read in a minute: the summary and the speed table before the sections' output
+    assert results.index("## Summary") < results.index("## Speed against flash SDPA") < results.index("## env")
     summary = results.split("## Summary")[1]
     for section in SECTIONS:
         assert f"| {section} | PASS |" in summary, summary
