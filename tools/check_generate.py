@@ -1,7 +1,8 @@
 """easy_context.generate against one process's model.generate, on this machine's device.
 
-    torchrun --standalone --nproc_per_node 2 -m tools.check_generate --backend gloo   # 2 ranks
-    python -m tools.check_generate --prompt-length 4096                                  # 1 rank
+    torchrun --standalone --nproc_per_node 2 -m tools.check_generate      # 2 ranks: gloo on CPU, NCCL on 2 GPUs
+    python -m tools.check_generate --prompt-length 4096                     # 1 rank (one GPU: gloo takes no
+                                                                            # CUDA tensors point-to-point)
 
 For each tiny model (no download: tools.tiny_configs) a batch of two prompts, the second
 left-padded by a third of its length, is continued greedily by the unpatched model and by
