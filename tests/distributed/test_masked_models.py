@@ -2,13 +2,13 @@
 unpatched model on the full rows: logits (non-padding tokens), loss and every parameter
 gradient, fp32, GQA, batch 1 and 2."""
 
-import logging
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dynamo_limits import recompile_limit_hits
 from exactness import errors, step
 from ranks import run_ranks
 from tiny_models import tiny_batch, tiny_model
@@ -220,13 +220,9 @@ def _flex_worker(rank, world_size):
     )
     from torch._dynamo.utils import counters
 
-    limit_hits = []  # past its recompile limit Dynamo warns once per function and runs it eager
-    handler = logging.Handler()
-    handler.emit = lambda record: limit_hits.extend([record.getMessage()] * ("recompile_limit" in record.getMessage()))
-    logging.getLogger("torch._dynamo").addHandler(handler)
-    results = worker(rank, world_size, "zigzag_ring_attn", {}, FLEX_CASES)
-    calls["graphs"] = counters["stats"]["unique_graphs"]
-    calls["recompile_limit_hits"] = limit_hits
+    with recompile_limit_hits() as hits:
+        results = worker(rank, world_size, "zigzag_ring_attn", {}, FLEX_CASES)
+    calls["graphs"], calls["recompile_limit_hits"] = counters["stats"]["unique_graphs"], hits
     return results, calls
 
 

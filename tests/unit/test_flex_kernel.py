@@ -5,11 +5,11 @@ mask, documents inside a window), and its backward given the global out/lse of m
 The CUDA path runs the same code compiled; what differs there (Triton kernels, the public
 function with grads) is not exercised here."""
 
-import logging
 import math
 
 import pytest
 import torch
+from dynamo_limits import recompile_limit_hits
 from test_kernels import assert_close, inputs, make_mask, reference
 
 from easy_context.core import kernels
@@ -167,8 +167,13 @@ def test_backward_with_the_global_out_and_lse_of_merged_blocks(name, split, dtyp
 
 
 def test_window_rule_is_flash_attns():
-    rule = flex.flex_window_rule
+    """The mask_mod flex calls get for a window (the backend's own, not a restatement of it)."""
     i, j = torch.arange(24)[:, None], torch.arange(40)[None, :]
+
+    def rule(sq, sk, window):
+        mask_mod = flex.flex_window_rule(sq, sk, window)
+        return None if mask_mod is None else (lambda q_idx, kv_idx: mask_mod(0, 0, q_idx, kv_idx))
+
     assert rule(24, 24, (-1, -1)) is None
     square = torch.arange(24)[None, :]
     assert torch.equal(rule(24, 24, (-1, 0))(i, square), torch.ones(24, 24, dtype=torch.bool).tril())  # causal
@@ -219,10 +224,6 @@ def test_flex_compiles_once_per_call_structure(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
     counters.clear()
-    limit_hits = []
-    handler = logging.Handler()
-    handler.emit = lambda record: limit_hits.extend([record.getMessage()] * ("recompile_limit" in record.getMessage()))
-    logging.getLogger("torch._dynamo").addHandler(handler)
 
     def calls(shapes, windows):
         for sq, sk in shapes:
@@ -233,13 +234,13 @@ def test_flex_compiles_once_per_call_structure(monkeypatch):
                 flex.flex_forward(q, k, v, False, 0.25, mask=per_row, softcap=2.0, window=window)
 
     try:
-        # Dynamo compiles a structure's first call at its sizes, and makes the query and key
-        # lengths symbolic once each has changed: then no length or window compiles again.
-        calls(((16, 16), (16, 40), (24, 24)), ((3, 2), (-1, 0)))
-        first = counters["stats"]["unique_graphs"]
-        calls(((8, 56), (40, 40)), ((5, 0), (2, 7)))
+        with recompile_limit_hits() as limit_hits:
+            # Dynamo compiles a structure's first call at its sizes, and makes the query and key
+            # lengths symbolic once each has changed: then no length or window compiles again.
+            calls(((16, 16), (16, 40), (24, 24)), ((3, 2), (-1, 0)))
+            first = counters["stats"]["unique_graphs"]
+            calls(((8, 56), (40, 40)), ((5, 0), (2, 7)))
         assert not limit_hits, limit_hits[0]
         assert 0 < first == counters["stats"]["unique_graphs"] <= flex.RECOMPILE_LIMIT // 2, (first, counters["stats"])
     finally:
-        logging.getLogger("torch._dynamo").removeHandler(handler)
         torch._dynamo.reset()

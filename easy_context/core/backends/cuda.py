@@ -136,9 +136,12 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def _efficient_bias(mask, q):
     """The mask as the op's attn_bias: (B, Hq, Sq, Sk) in q's dtype, broadcast dims stride 0."""
-    if mask is None:
-        return None
-    return additive_bias(mask, q.dtype, _EFFICIENT_BIAS_ALIGN).expand(q.shape[0], q.shape[1], -1, -1)
+    return None if mask is None else _per_head(additive_bias(mask, q.dtype, _EFFICIENT_BIAS_ALIGN), q)
+
+
+def _per_head(bias, q):
+    """A (B or 1, 1, Sq, Sk) bias as the (B, Hq, Sq, Sk) the op wants, without a copy."""
+    return bias.expand(q.shape[0], q.shape[1], -1, -1)
 
 
 def _efficient_backward_lse(lse: torch.Tensor, masked: bool) -> torch.Tensor:
@@ -198,7 +201,7 @@ def _efficient_forward_one_row(q, k, v, scale, bias, n_rep):
 
 
 def _efficient_band_forward(q, k, v, scale, bias):
-    return _efficient_forward(q, k, v, False, scale, bias.expand(q.shape[0], q.shape[1], -1, -1))
+    return _efficient_forward(q, k, v, False, scale, _per_head(bias, q))
 
 
 def cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None, window=None):
@@ -209,7 +212,7 @@ def cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale, mask=None, w
 
 
 def _efficient_band_backward(dout, q, k, v, out, lse, scale, bias):
-    return _efficient_backward(dout, q, k, v, out, lse, False, scale, bias.expand(q.shape[0], q.shape[1], -1, -1))
+    return _efficient_backward(dout, q, k, v, out, lse, False, scale, _per_head(bias, q))
 
 
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale, bias):

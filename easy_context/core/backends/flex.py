@@ -113,14 +113,12 @@ def _window_bounds(sq: int, sk: int, window) -> tuple[int, int] | None:
     return (shift - left if left >= 0 else -_UNBOUNDED), (shift + right if right >= 0 else _UNBOUNDED)
 
 
-def flex_window_rule(sq: int, sk: int, window) -> Callable | None:
-    """(q_idx, kv_idx) -> allowed for a flash_attn window (left, right), bottom-right aligned:
-    query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right (-1: unlimited)."""
+def flex_window_rule(sq: int, sk: int, window, device: torch.device | str = "cpu") -> Callable | None:
+    """The mask_mod (b, h, q_idx, kv_idx) -> allowed that flex calls get for a flash_attn window
+    (left, right), bottom-right aligned: query i sees key j iff i + sk - sq - left <= j <=
+    i + sk - sq + right (-1: unlimited); None when the window allows every key."""
     bounds = _window_bounds(sq, sk, window)
-    if bounds is None:
-        return None
-    lo, hi = bounds
-    return lambda q_idx, kv_idx: (kv_idx - q_idx >= lo) & (kv_idx - q_idx <= hi)
+    return None if bounds is None else _banded(_constant(bounds, torch.int64, torch.device(device)))
 
 
 def _flex_window(causal: bool, window):
@@ -222,7 +220,6 @@ def _returns_aux() -> bool:
 def _flex_run(q, k, v, scale, plane, bounds, cap, differentiable: bool):
     """(out, lse) of one flex call, lse natural log in the accumulation dtype; with
     differentiable=True both are in q/k/v's autograd graph (q/k/v require grad)."""
-    backend = flex_compile_backend(q.device)
     if differentiable and q.device.type == "cpu":
         flex = _flex_module()
         score_mod, mask_mod, rows = _flex_mods(plane, bounds, cap)
@@ -234,6 +231,7 @@ def _flex_run(q, k, v, scale, plane, bounds, cap, differentiable: bool):
         out, lse2, _ = _flex_operator()(q, k, v, score_mod or _flex_identity, block_mask.as_tuple(), scale, options)
         lse = lse2 * _LN2
     else:
+        backend = flex_compile_backend(q.device)
         call = _flex_attend if backend is None else _compiled_flex(backend)
         out, lse = call(q, k, v, scale, plane, bounds, cap)
     return out, lse.to(accumulation_dtype(q.dtype))
