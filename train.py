@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import easy_context as ec
+from easy_context.core.work_order import balanced_epoch_order
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
 from easy_context.hf.architectures import check_training_config
 from easy_context.hf.context import placement_of
@@ -44,7 +45,6 @@ from easy_context.programs.checkpointing import CheckpointError, Checkpoints
 from easy_context.programs.data import (
     BYTE_EOS_ID,
     StreamedRows,
-    balanced_epoch_order,
     byte_tokenizer,
     document_positions,
     open_rows,
@@ -611,7 +611,7 @@ def epoch_order(rows: int, seed: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=2)
 def balanced_order(rows, seed: int, dp_size: int, batch_size: int) -> torch.Tensor:
-    """The epoch's order with equal attention work per DP group in each step (programs.data.work),
+    """The epoch's order with equal attention work per DP group in each step (core/work_order.py),
     from the rows' document lengths (rows: PackedRows, hashed by identity)."""
     return balanced_epoch_order(epoch_order(len(rows), seed), rows.row_products(), dp_size, batch_size, seed)
 

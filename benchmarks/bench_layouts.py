@@ -24,7 +24,7 @@ step and reused, as every layer of a training step reuses them.
 The data-parallel table composes measured row times into steps of dp 2 x sp 2: each row's time
 is measured at P=2 (zigzag_ring_attn, workload layout) and a step lasts as long as its slower
 group. It gives the sum over steps of the slower group's time over the sum of the mean group's,
-in the epoch's random order and in the order by work (programs.data.work.balanced_epoch_order).
+in the epoch's random order and in the order by work (core.work_order.balanced_epoch_order).
 Timing two groups at once would put four ranks on two cores, which measures the cores.
 """
 
@@ -172,7 +172,7 @@ def data_parallel_table(seconds: list[float], seq: int, rows: int) -> str:
     import numpy as np
     import torch
 
-    from easy_context.programs.data.work import balanced_epoch_order
+    from easy_context.core.work_order import balanced_epoch_order
 
     products = np.array(
         [sum(n * (n + 1) / 2 for n in row_lengths(seq, seed)) for seed in range(rows)], dtype=np.float64

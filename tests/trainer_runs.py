@@ -78,6 +78,20 @@ class SeededShuffle:
         return SeedableRandomSampler(data_source=train_dataset or self.train_dataset, data_seed=self.args.seed)
 
 
+class WorkBalancedShuffle:
+    """The reference's order under prepare_trainer(..., balance_work=True) with BALANCE_DP groups:
+    the same sampler, each step's groups' batches read side by side by one process."""
+
+    BALANCE_DP = 2
+
+    def _get_train_sampler(self, train_dataset=None):
+        from easy_context.core.work_order import WorkBalancedSampler
+        from easy_context.hf.trainer import row_work
+
+        work = row_work(train_dataset or self.train_dataset)
+        return WorkBalancedSampler(work, self.BALANCE_DP, self._train_batch_size // self.BALANCE_DP, self.args.seed)
+
+
 def _as_distributed(rank: int, world: int) -> None:
     """accelerate reads the launcher's variables; the process group already exists."""
     if world > 1:
@@ -86,7 +100,8 @@ def _as_distributed(rank: int, world: int) -> None:
 
 def train(rank: int, world: int, spec: dict) -> dict:
     """spec: mode, options, collator, batch, accumulate, steps, out, save_steps, resume, sft, lora (a rank),
-    model_type (a tiny model of that type; default a tiny Llama)."""
+    model_type (a tiny model of that type; default a tiny Llama), balance_work (prepare_trainer's;
+    the reference reads WorkBalancedShuffle's order)."""
     _as_distributed(rank, world)
     from datasets import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -146,7 +161,8 @@ def train(rank: int, world: int, spec: dict) -> dict:
             callbacks=[RecordLoss()],
         )
     else:
-        trainer_class = Trainer if spec["mode"] else type("ReferenceTrainer", (SeededShuffle, Trainer), {})
+        shuffle = WorkBalancedShuffle if spec.get("balance_work") else SeededShuffle
+        trainer_class = Trainer if spec["mode"] else type("ReferenceTrainer", (shuffle, Trainer), {})
         trainer = trainer_class(
             model=model,
             args=TrainingArguments(**common),
@@ -156,7 +172,8 @@ def train(rank: int, world: int, spec: dict) -> dict:
             callbacks=[RecordLoss()],
         )
     if spec["mode"] is not None:
-        ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
+        options = spec.get("options", {})
+        ec.prepare_trainer(spec["mode"], trainer, balance_work=spec.get("balance_work", False), **options)
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     eval_loss = trainer.evaluate()["eval_loss"]
     predicted = trainer.predict(eval_set)  # logits of whole rows; padding's are meaningless

@@ -18,4 +18,5 @@ layout.py    how tokens are split over an SP group (zigzag/contiguous x Ulysses)
 balance.py   document_split: a layout per packed row that balances the ranks' work (every
              document cut, or documents placed whole by work and only the longest cut)
 groups.py    world = dp x sp, sp = ring x ulysses; process groups created once
+work_order.py  an epoch's row order with equal attention work per data-parallel group
 """

@@ -96,15 +96,17 @@ def gather_seq_parallel_outputs(
     return context_for("gather_seq_parallel_outputs", mode, options).gather(local, dim=dim, token_index=token_index)
 
 
-def prepare_trainer(mode: str, trainer, **options):
+def prepare_trainer(mode: str, trainer, balance_work=False, **options):
     """Make a transformers.Trainer (or a subclass such as TRL's SFTTrainer) train `mode`.
 
     Call it after creating the trainer and before trainer.train(); every rank calls it.
     Applies the monkey patch for the trainer's model type (if not applied yet) with
     `options` (sp_size, ring_degree, document_split) and returns the same trainer.
+    balance_work (True, or one number per train row): the data-parallel groups of each step
+    get rows of equal attention work instead of a random deal (SequenceParallel.trainer).
     """
     # Options not given default to an active patch's for this mode (and may not contradict them).
-    return context_for("prepare_trainer", mode, options).trainer(trainer)
+    return context_for("prepare_trainer", mode, options).trainer(trainer, balance_work)
 
 
 def generate(mode: str, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):

@@ -223,9 +223,11 @@ class SequenceParallel:
         )
 
     # ------------------------------------------------------------ programs on it
-    def trainer(self, trainer):
-        """The HF Trainer (or TRL SFTTrainer) trains in this context; returns the same trainer."""
-        return prepare(self, trainer)
+    def trainer(self, trainer, balance_work=False):
+        """The HF Trainer (or TRL SFTTrainer) trains in this context; returns the same trainer.
+        balance_work: True, or one number per train row: the data-parallel groups of a step get
+        rows of equal attention work (core/work_order.py; True reads it from the dataset)."""
+        return prepare(self, trainer, balance_work)
 
     def generate(self, model, input_ids, attention_mask=None, **generate_kwargs):
         """model.generate with the prompt's KV cache sharded over the SP group."""

@@ -22,6 +22,10 @@ evaluation, checkpoints, resume); four things change, each for a reason:
 Every batch is also checked to be the same on every rank of the SP group (one all-gather
 of four numbers): a sampler or dataset that hands ranks different rows would otherwise
 stitch unrelated shards into one sequence.
+
+With balance_work, the train sampler is core/work_order.py's: the data-parallel groups of a
+step get rows of equal attention work (the Trainer's own hook, _get_train_sampler, as a
+subclass would override it; in every mode, data_parallel included).
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ import torch.nn.functional as F
 
 from easy_context.core import collectives
 from easy_context.core.groups import get_groups
+from easy_context.core.work_order import WorkBalancedSampler, document_products
 from easy_context.hf import replicas
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
 from easy_context.hf.architectures import check_training_config
 from easy_context.versions import check_supported
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "row_work"]
 
 IGNORE_INDEX = -100
 # Keys with one value per token that are sharded; the keys below restate the documents that
@@ -48,10 +53,10 @@ PER_TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attent
 RESTATED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-def prepare(context, trainer):
+def prepare(context, trainer, balance_work=False):
     """easy_context.prepare_trainer in a SequenceParallel context (SequenceParallel.trainer)."""
     check_supported("accelerate")
-    if isinstance(trainer, SeqParallelTrainerMixin):
+    if isinstance(trainer, (SeqParallelTrainerMixin, WorkBalancedTrainerMixin)):
         raise ValueError("prepare_trainer was already called on this trainer")
     config = getattr(trainer.model, "config", None)
     if getattr(config, "model_type", None) is None:
@@ -67,9 +72,11 @@ def prepare(context, trainer):
             )
     context = context.installed_for(config)  # the config: its text decoder's type
     replicas.watch(trainer.model)
+    topology = context.topology(trainer.accelerator.num_processes)
+    if balance_work is not False and balance_work is not None:
+        _balance_work(trainer, balance_work, topology.dp_size)
     if not context.sequence_parallel:  # data_parallel: the Trainer already is one
         return trainer
-    topology = context.topology(trainer.accelerator.num_processes)
     trainer.__class__ = _seq_parallel_class(type(trainer))
     trainer._seq_parallel = _Batches(context, topology)
     if topology.sp_size > 1:
@@ -156,9 +163,80 @@ class SeqParallelTrainerMixin:
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
+class WorkBalancedTrainerMixin:
+    """Put in front of the trainer's class by prepare_trainer(..., balance_work=...)."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        work, dp_size, seed = self._work_balance
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if len(dataset) != len(work):
+            raise ValueError(
+                f"prepare_trainer: balance_work was given for {len(work)} train rows, "
+                f"the trainer now reads {len(dataset)}"
+            )
+        # The batch size read here, not at prepare: auto_find_batch_size may have lowered it.
+        return WorkBalancedSampler(work, dp_size, self._train_batch_size, seed)
+
+
 @functools.cache
 def _seq_parallel_class(base: type) -> type:
     return type(f"SeqParallel{base.__name__}", (SeqParallelTrainerMixin, base), {"__module__": base.__module__})
+
+
+@functools.cache
+def _work_balanced_class(base: type) -> type:
+    return type(f"WorkBalanced{base.__name__}", (WorkBalancedTrainerMixin, base), {"__module__": base.__module__})
+
+
+def _balance_work(trainer, balance_work, dp_size: int) -> None:
+    """balance_work: True (each row's work from the train dataset) or one number per row."""
+    args, dataset = trainer.args, trainer.train_dataset
+    if getattr(args, "train_sampling_strategy", "random") != "random":
+        raise ValueError(
+            f"prepare_trainer: balance_work orders the rows itself; it cannot be combined with "
+            f"train_sampling_strategy={args.train_sampling_strategy!r} (use 'random', the default)"
+        )
+    if dataset is None or not hasattr(dataset, "__len__"):
+        raise ValueError("prepare_trainer: balance_work needs a train dataset with a length (map-style, not streaming)")
+    work = row_work(dataset) if balance_work is True else balance_work
+    if len(work) != len(dataset):
+        raise ValueError(f"prepare_trainer: balance_work has {len(work)} values for {len(dataset)} train rows")
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    WorkBalancedSampler(work, dp_size, 1, seed)  # refuses bad work values now, not at train()
+    trainer._work_balance = (work, dp_size, seed)
+    trainer.__class__ = _work_balanced_class(type(trainer))
+
+
+def row_work(dataset) -> list[float]:
+    """Each row's attention query x key products: per document when the rows say where their
+    documents are (TRL's packing: seq_lengths; padding-free packing: position_ids restarting at
+    0), else one document per row (input_ids)."""
+    columns = getattr(dataset, "column_names", None) or list(dataset[0])
+    if "seq_lengths" in columns:
+        return [document_products(lengths) for lengths in _column(dataset, "seq_lengths")]
+    if "position_ids" in columns:
+        return [document_products(_documents(positions)) for positions in _column(dataset, "position_ids")]
+    if "input_ids" in columns:
+        return [document_products([len(ids)]) for ids in _column(dataset, "input_ids")]
+    raise ValueError(
+        f"prepare_trainer: balance_work=True reads each row's work from its seq_lengths, position_ids or "
+        f"input_ids, and the train dataset has {sorted(columns)}; pass balance_work=[one number per row]"
+    )
+
+
+def _column(dataset, name: str):
+    if hasattr(dataset, "column_names"):  # datasets.Dataset: the column, without reading the others
+        return dataset[name]
+    return (dataset[i][name] for i in range(len(dataset)))
+
+
+def _documents(positions) -> list[int]:
+    """Document lengths of a row whose position ids restart at 0 for each document."""
+    positions = torch.as_tensor(positions).reshape(-1)
+    starts = torch.nonzero(positions == 0).flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    return [end - start for start, end in zip(starts, [*starts[1:], positions.numel()])]
 
 
 class _Batches:

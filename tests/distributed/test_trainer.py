@@ -1,7 +1,7 @@
 """prepare_trainer: HF Trainer and TRL SFTTrainer under every mode train exactly like the
 unpatched single-process Trainer on the same data and seed (per-step losses, eval loss,
 final weights, predict() logits), with padded and packed collators, gradient accumulation 2, data-parallel
-groups (world 4, sp_size 2) and resume from a mid-run checkpoint.
+groups (world 4, sp_size 2; rows dealt to them by attention work) and resume from a mid-run checkpoint.
 
 fp32 tolerances: losses and eval loss 1e-5, weights and logits 1e-6 (measured: at most 9.5e-7,
 and 3.5e-7 for weights and the logits of real tokens).
@@ -25,11 +25,12 @@ BASE = dict(batch=2, accumulate=2, steps=STEPS)
 
 
 @functools.cache
-def _reference(collator: str, batch: int, sft: bool = False, bf16: bool = False) -> dict:
+def _reference(collator: str, batch: int, sft: bool = False, bf16: bool = False, balance_work: bool = False) -> dict:
     """The unpatched Trainer in one process. batch 4 stands for two data-parallel groups of
     batch 2 (in training and, token-weighted as the Trainer weighs them, in evaluation)."""
     with tempfile.TemporaryDirectory() as out:
         spec = dict(BASE, mode=None, collator=collator, batch=batch, eval_batch=batch, out=out, sft=sft, bf16=bf16)
+        spec["balance_work"] = balance_work
         return run_ranks(train, 1, spec, timeout=240)[0]
 
 
@@ -77,20 +78,18 @@ def test_trainer_matches_single_process(mode, options, collator):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "mode,collator,options,reference_batch",
+    "mode,collator,options,reference_batch,balance_work",
     [
-        (
-            "zigzag_ring_attn",
-            "padded",
-            {"sp_size": 2},
-            4,
-        ),  # 2 data-parallel groups of 2: the reference reads both batches
-        ("usp_attn", "packed", {"sp_size": 4, "ring_degree": 2}, 2),  # Ulysses x ring over 4 ranks
+        # 2 data-parallel groups of 2, each step's rows dealt by attention work (balance_work):
+        # the reference reads both groups' batches of the same order
+        ("zigzag_ring_attn", "padded", {"sp_size": 2}, 4, True),
+        ("usp_attn", "packed", {"sp_size": 4, "ring_degree": 2}, 2, False),  # Ulysses x ring over 4 ranks
     ],
-    ids=["dp2-sp2-zigzag", "sp4-usp"],
+    ids=["dp2-sp2-zigzag-work-balanced", "sp4-usp"],
 )
-def test_trainer_world_4(mode, collator, options, reference_batch):
-    _assert_exact(_run(4, mode, collator, timeout=360, options=options), _reference(collator, batch=reference_batch))
+def test_trainer_world_4(mode, collator, options, reference_batch, balance_work):
+    results = _run(4, mode, collator, timeout=360, options=options, balance_work=balance_work)
+    _assert_exact(results, _reference(collator, batch=reference_batch, balance_work=balance_work))
 
 
 @pytest.mark.timeout(300)
@@ -181,6 +180,48 @@ def test_prepare_trainer_refuses_what_it_cannot_do_exactly():
             ec.prepare_trainer("ulysses_attn", _trainer(train_sampling_strategy="batch_rebalance"))
         with pytest.raises(ValueError, match="eval_use_gather_object"):
             ec.prepare_trainer("ulysses_attn", _trainer(eval_use_gather_object=True))
+        with pytest.raises(ValueError, match="balance_work needs a train dataset"):
+            ec.prepare_trainer("ulysses_attn", _trainer(), balance_work=True)
+    finally:
+        ec.remove_seq_parallel_monkey_patch()
+
+
+def test_balance_work_reads_each_rows_work_from_the_dataset():
+    """prepare_trainer(..., balance_work=...): the Trainer's train sampler is WorkBalancedSampler
+    (tests/unit/test_data_order.py checks how it deals), with each row's query x key products from
+    TRL's seq_lengths, position_ids restarting per document, or the row as one document; in
+    data_parallel too. Bad requests are refused by name."""
+    from datasets import Dataset
+
+    from easy_context.core.work_order import WorkBalancedSampler
+
+    columns = {
+        "seq_lengths": {"input_ids": [[1] * 6, [1] * 4], "seq_lengths": [[2, 4], [4]]},
+        "position_ids": {"input_ids": [[1] * 6, [1] * 4], "position_ids": [[0, 1, 0, 1, 2, 3], [0, 1, 2, 3]]},
+        "input_ids": {"input_ids": [[1] * 6, [1] * 4]},
+    }
+    want = {"seq_lengths": [3 + 10, 10], "position_ids": [3 + 10, 10], "input_ids": [21, 10]}
+    try:
+        for mode in ("zigzag_ring_attn", "data_parallel"):
+            for name, data in columns.items():
+                trainer = _trainer(per_device_train_batch_size=2, seed=5)
+                trainer.train_dataset = Dataset.from_dict(data)
+                ec.prepare_trainer(mode, trainer, balance_work=True)
+                sampler = trainer._get_train_sampler()
+                assert isinstance(sampler, WorkBalancedSampler), (mode, name, sampler)
+                assert sampler.work.tolist() == want[name], (mode, name, sampler.work)
+                assert (sampler.dp_size, sampler.batch_size, sampler.seed) == (1, 2, 5)
+                ec.remove_seq_parallel_monkey_patch()
+        trainer = _trainer(train_sampling_strategy="group_by_length")
+        trainer.train_dataset = Dataset.from_dict(columns["input_ids"])
+        with pytest.raises(ValueError, match="train_sampling_strategy='group_by_length'"):
+            ec.prepare_trainer("zigzag_ring_attn", trainer, balance_work=True)
+        trainer = _trainer()
+        trainer.train_dataset = Dataset.from_dict(columns["input_ids"])
+        with pytest.raises(ValueError, match="balance_work has 3 values for 2 train rows"):
+            ec.prepare_trainer("zigzag_ring_attn", trainer, balance_work=[1, 2, 3])
+        with pytest.raises(ValueError, match="non-negative"):
+            ec.prepare_trainer("zigzag_ring_attn", trainer, balance_work=[1, -2])
     finally:
         ec.remove_seq_parallel_monkey_patch()
 

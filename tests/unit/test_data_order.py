@@ -1,11 +1,13 @@
-"""The data-parallel order by attention work (programs.data.work, train.py --data-order): the
+"""The data-parallel order by attention work (core/work_order.py, train.py --data-order,
+prepare_trainer's balance_work): the
 groups of a step get rows of equal work, an epoch trains on the same rows as the random order,
 and the order is a pure function of its arguments (a resumed run reads the same rows)."""
 
 import numpy as np
 import torch
 
-from easy_context.programs.data import PackedRows, balanced_epoch_order, document_positions, packed_row_products
+from easy_context.core.work_order import balanced_epoch_order
+from easy_context.programs.data import PackedRows, document_positions, packed_row_products
 
 DP, BATCH = 2, 1
 
@@ -63,3 +65,33 @@ def test_balanced_order_with_several_rows_per_group():
     balanced = balanced_epoch_order(plain, work, 4, 3, 5, window=8)
     assert sorted(balanced.tolist()) == sorted(plain.tolist())
     assert slowest_over_mean(balanced, work, 4, 3) <= 1.1 < slowest_over_mean(plain, work, 4, 3)
+
+
+def test_work_balanced_sampler_as_accelerate_deals_it():
+    """WorkBalancedSampler (prepare_trainer's balance_work) read through accelerate's loader for
+    2 groups, as prepare_trainer prepares it (batch i to group i % 2): each step's groups get
+    equal work (the random deal: 1.3x+), every epoch reads every row of its whole steps once,
+    and set_epoch gives another order that is the same on every rank."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from easy_context.core.work_order import WorkBalancedSampler
+
+    work = long_tailed_work(400, seed=2)
+
+    def read(epoch: int) -> torch.Tensor:
+        """(steps, groups): the row each group reads at each step."""
+        loader = DataLoader(range(len(work)), batch_size=BATCH, sampler=WorkBalancedSampler(work, DP, BATCH, seed=3))
+        groups = [prepare_data_loader(loader, num_processes=DP, process_index=g, put_on_device=False) for g in (0, 1)]
+        for group in groups:
+            group.set_epoch(epoch)  # as the Trainer does at each epoch
+        return torch.stack([torch.cat(list(group)) for group in groups], dim=1)
+
+    first, again, second = read(0), read(0), read(1)
+    assert torch.equal(first, again) and not torch.equal(first, second)
+    for rows in (first, second):
+        assert sorted(rows.flatten().tolist()) == list(range(len(work)))
+        balanced = slowest_over_mean(rows.flatten(), work)
+        assert balanced <= 1.1, balanced
+    shuffled = torch.randperm(len(work), generator=torch.Generator().manual_seed(3))
+    assert slowest_over_mean(shuffled, work) > 1.3

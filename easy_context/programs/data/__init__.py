@@ -1,6 +1,6 @@
 """Training and evaluation data: the embedded offline default (embedded.py), datasets read
-lazily from Arrow storage, a stream, or raw text packed into rows (rows.py), and the order
-that gives data-parallel groups equal attention work (work.py)."""
+lazily from Arrow storage, a stream, or raw text packed into rows (rows.py), and each packed
+row's attention work (work.py; core/work_order.py orders rows by it)."""
 
 from easy_context.programs.data import embedded, rows, work
 from easy_context.programs.data.embedded import *  # noqa: F403
