@@ -4,9 +4,12 @@ with the patch, neither of which tears anything down, exit 0 every time under to
 it about 1 run in 24 aborted after finishing ("terminate called without an active exception").
 
 The teardown itself is tested deterministically (tests/unit/test_exit_teardown.py); these runs
-check, end to end, that the scripts' paths register it. 10 runs of each script (each run is
-about 10 s of the CI budget) catch a 1-in-24 abort with probability 1 - (23/24)^20 = 57% per
-CI run, and with 82% over two."""
+check, end to end, that each script's path registers it and that it runs: a hook installed
+before the script (a sitecustomize on PYTHONPATH, so its exit hook runs after every other one)
+reports whether the process group is still up at the very end of each worker. A path that does
+not register the teardown leaves it up in every run (and aborted in about 1 run in 24), so a few
+runs of each script suffice (EASY_CONTEXT_EXIT_TEARDOWN=0 fails every one).
+"""
 
 import os
 import subprocess
@@ -16,12 +19,26 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
-RUNS = 10
+RUNS = 3
+# Runs last among the worker's exit hooks (registered first): the teardown has run by then.
+EXIT_REPORT = """
+import atexit, os, sys
+
+def _report():
+    dist = sys.modules.get("torch.distributed")
+    up = bool(dist is not None and dist.is_available() and dist.is_initialized())
+    print(f"exit report: rank {os.environ['RANK']} process group up: {up}", file=sys.stderr, flush=True)
+
+if "RANK" in os.environ:  # torchrun's workers, not torchrun itself
+    atexit.register(_report)
+"""
 
 
 def _torchrun(script: Path, port_dir) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    (port_dir / "sitecustomize.py").write_text(EXIT_REPORT)
+    path = os.pathsep.join(p for p in (str(port_dir), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=port_dir)
 
 
@@ -39,6 +56,8 @@ def test_user_scripts_exit_0_every_time(script, tmp_path):
     failures = []
     for run in range(RUNS):
         result = _torchrun(SCRIPTS / script, tmp_path)
-        if result.returncode != 0:
-            failures.append(f"run {run}: exit {result.returncode}\n{_why(result.stderr)}")
+        reports = sorted(line for line in result.stderr.splitlines() if line.startswith("exit report:"))
+        torn_down = [f"exit report: rank {rank} process group up: False" for rank in (0, 1)]
+        if result.returncode != 0 or reports != torn_down:
+            failures.append(f"run {run}: exit {result.returncode}, {reports}\n{_why(result.stderr)}")
     assert not failures, f"{len(failures)} of {RUNS} runs of {script} failed:\n" + "\n".join(failures)

@@ -43,13 +43,14 @@ def test_bench_train_smoke(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_bench_sharding_smoke(tmp_path):
-    """train.py's per-rank peak under DDP, FSDP2 (and DeepSpeed ZeRO-3 where installed) at a tiny
-    size: every row measured, next to the planner's prediction for it."""
+    """train.py's per-rank peak under DDP, FSDP2 (and DeepSpeed ZeRO-3 with offload where
+    installed) at a tiny size: every row measured, next to the planner's prediction for it. (One
+    row per engine: each row is a train.py run, ~12 s of CI; the full table is the benchmark's.)"""
     import importlib.util
 
-    configs = ["ddp", "fsdp2", "fsdp2-offload"]
+    configs = ["ddp", "fsdp2-offload"]
     if os.environ.get("EASY_CONTEXT_REQUIRE_DEEPSPEED") == "1" or importlib.util.find_spec("deepspeed"):
-        configs += ["zero3", "zero3-offload"]
+        configs += ["zero3"]
     csv_path = tmp_path / "sharding.csv"
     command = [sys.executable, "-m", "benchmarks.bench_sharding", "--smoke", "--exact-memory"]
     out = subprocess.run(
