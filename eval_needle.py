@@ -34,7 +34,7 @@ import torch
 import easy_context as ec
 from easy_context.modes import get_mode
 from easy_context.programs.data import embedded_prose
-from easy_context.programs.evaluation import load_scorer, resolve_model
+from easy_context.programs.evaluation import load_scorer_for_flags, resolve_model
 from easy_context.programs.launch import (
     Stage,
     add_dist_timeout_flag,
@@ -179,21 +179,8 @@ def evaluate_prompt(scorer, tokenizer, prompt) -> dict:
 def generate_answer(args, scorer, tokenizer, prompt) -> dict:
     """The model's free-form answer to the prompt (without the answer), greedy; right when its
     first number is the hidden value, digit for digit."""
-    prompt_ids = torch.tensor(prompt.input_ids[: prompt.answer_start], device=scorer.device)[None]
     budget = args.max_new_tokens or 2 * args.rnd_number_digits + 4
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    output = ec.generate(
-        args.parallel_mode,
-        scorer.model,
-        prompt_ids,
-        max_new_tokens=budget,
-        do_sample=False,
-        pad_token_id=pad,
-        synced_gpus=scorer.lockstep,
-        sp_size=args.sp_size,
-        ring_degree=args.ring_degree,
-    )
-    text = tokenizer.decode(output[0, prompt_ids.shape[1] :].tolist(), skip_special_tokens=True)
+    text = scorer.answer(tokenizer, prompt.input_ids[: prompt.answer_start], budget)
     number = re.search(r"\d+", text)
     return {"generated": text, "generated_correct": number is not None and number.group() == prompt.value}
 
@@ -210,16 +197,7 @@ def run_sweep(args, accelerator, stage: Stage) -> list[dict]:
     try:
         get_mode(args.parallel_mode).topology(accelerator.num_processes, args.sp_size, args.ring_degree)
         source = resolve_model(args.model)
-        scorer, tokenizer = load_scorer(
-            accelerator,
-            source,
-            args.parallel_mode,
-            max_length=args.max_context_length,
-            sp_size=args.sp_size,
-            ring_degree=args.ring_degree,
-            rope_theta=args.rope_theta,
-            dtype=args.dtype,
-        )
+        scorer, tokenizer = load_scorer_for_flags(accelerator, source, args, args.max_context_length)
     except (ValueError, OSError) as error:
         fail(str(error))
     try:

@@ -35,7 +35,7 @@ import torch
 import easy_context as ec
 from easy_context.modes import get_mode
 from easy_context.programs.data import load_any_dataset, stdlib_heldout_documents
-from easy_context.programs.evaluation import load_scorer, resolve_model
+from easy_context.programs.evaluation import load_scorer_for_flags, resolve_model
 from easy_context.programs.launch import (
     Stage,
     add_dist_timeout_flag,
@@ -221,17 +221,8 @@ def evaluate_model(
 ) -> dict[int, tuple[float, int]]:
     from tqdm.auto import tqdm
 
-    scorer, tokenizer = load_scorer(
-        accelerator,
-        source,
-        args.parallel_mode,
-        max_length=max(lengths),
-        sp_size=args.sp_size,
-        ring_degree=args.ring_degree,
-        rope_theta=args.rope_theta,
-        dtype=args.dtype,
-        chunk_size=1024 if args.aggressive_memory else 4096,
-    )
+    chunk_size = 1024 if args.aggressive_memory else 4096
+    scorer, tokenizer = load_scorer_for_flags(accelerator, source, args, max(lengths), chunk_size=chunk_size)
     samples = load_samples(args, tokenizer)
     work = [
         (n, i, *span)

@@ -69,6 +69,7 @@ SLOW = {
         "test_eval_needle_parallel_equals_single_process_and_writes_the_grid",
         "test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun",
         "test_eval_ppl_parallel_equals_single_process",
+        "test_eval_ruler_answers_as_one_process_and_writes_the_table",
         "test_eval_scripts_refuse_bad_input_clearly",
         "test_generate_script_parallel_equals_single_process",
         "test_scorer_equals_single_process",
@@ -93,6 +94,7 @@ SLOW = {
     "test_nodes": {
         "test_ranks_that_derive_different_splits_are_refused_on_every_rank",
     },
+    "test_harness": ALL,
     "test_hybrids": ALL,
     "test_lora": ALL,
     "test_lora_scripts": ALL,
@@ -179,6 +181,7 @@ NUMERIC = {
     "test_fsdp",
     "test_generation",
     "test_gpu_check",
+    "test_harness",
     "test_hybrids",
     "test_kernels",
     "test_lora",

@@ -25,7 +25,7 @@ import torch
 
 import easy_context as ec
 from easy_context.hf.sharded_cache import kv_bytes
-from easy_context.programs.evaluation import load_scorer, resolve_model
+from easy_context.programs.evaluation import load_scorer_for_flags, resolve_model
 from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
 from easy_context.programs.launch import fail as launch_fail
 from easy_context.versions import output_cache
@@ -113,16 +113,7 @@ def run(args, accelerator, stage: Stage):
         from transformers import AutoTokenizer
 
         ids = AutoTokenizer.from_pretrained(source)(text, return_tensors="pt")["input_ids"]
-        scorer, tokenizer = load_scorer(
-            accelerator,
-            source,
-            args.parallel_mode,
-            max_length=ids.shape[1] + args.max_new_tokens,
-            sp_size=args.sp_size,
-            ring_degree=args.ring_degree,
-            rope_theta=args.rope_theta,
-            dtype=args.dtype,
-        )
+        scorer, tokenizer = load_scorer_for_flags(accelerator, source, args, ids.shape[1] + args.max_new_tokens)
     except (ValueError, OSError) as error:
         fail(str(error))
     echo = TextStreamer(tokenizer, skip_prompt=True) if accelerator.is_main_process else None

@@ -1,4 +1,4 @@
-"""What the programs (train.py, eval_needle.py, eval_ppl.py, the planner) need, apart from the library.
+"""What the programs (train.py, the eval scripts, the planner) need, apart from the library.
 
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
 data/          datasets to packed rows; the embedded default corpus
@@ -8,8 +8,11 @@ checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resum
 tiled_mlp.py   MLPs run in sequence tiles (activation memory)
 lora.py        LoRA adapters (peft, lazily): train.py --lora-r, adapter folders for the evals
 needle.py      needle / passkey prompts for any tokenizer
+ruler.py       RULER-style tasks (needles of several kinds, variable tracking, word extraction),
+               exact token lengths, offline; ruler_tasks/ holds them as lm-eval task files
 demo_data.py   the demo base's tokenizer, copy and needle rows, accuracies (scripts/pretrain_demo_base.py)
 evaluation.py  score whole sequences over an SP group (no grad, per-token results)
+harness.py     lm-evaluation-harness's model `easy_context` (imports lm-eval: eval_harness.py)
 plots.py       heatmaps and curves
 plan.py        the planner: memory and time per mode for a model, length and cluster
 """

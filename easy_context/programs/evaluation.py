@@ -17,12 +17,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from easy_context.hf.api import gather_seq_parallel_outputs, prepare_seq_parallel_inputs
+from easy_context.hf.api import gather_seq_parallel_outputs, generate, prepare_seq_parallel_inputs
 from easy_context.hf.architectures import logits_head
 from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
 
-__all__ = ["DEFAULT_EVAL_MODEL", "resolve_model", "TokenScores", "SeqParallelScorer", "eval_dtype", "load_scorer"]
+__all__ = [
+    "DEFAULT_EVAL_MODEL",
+    "resolve_model",
+    "TokenScores",
+    "SeqParallelScorer",
+    "eval_dtype",
+    "load_scorer",
+    "load_scorer_for_flags",
+]
 
 # Where the README's training command saves its model.
 DEFAULT_EVAL_MODEL = "outputs/tiny-llama"
@@ -135,6 +143,24 @@ class SeqParallelScorer:
         ]
         return TokenScores(target_ids.cpu(), gathered[0], gathered[1])
 
+    # ------------------------------------------------------------------ generation
+    def answer(self, tokenizer, prompt_ids, max_new_tokens: int) -> str:
+        """The greedy continuation of one prompt (token ids), decoded without special tokens;
+        its KV cache sharded over the SP group (easy_context.generate)."""
+        prompt = torch.as_tensor(prompt_ids, device=self.device).reshape(1, -1)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        output = generate(
+            self.mode_name,
+            self.model,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            synced_gpus=self.lockstep,
+            **self.options,
+        )
+        return tokenizer.decode(output[0, prompt.shape[1] :].tolist(), skip_special_tokens=True)
+
     # ------------------------------------------------------- many independent items
     def my_items(self, items: list) -> list[tuple[int | None, object]]:
         """(index, item) pairs this rank's data-parallel group evaluates (every rank of an SP
@@ -200,3 +226,19 @@ def load_scorer(
         lockstep=deepspeed,
     )
     return scorer, tokenizer
+
+
+def load_scorer_for_flags(accelerator, source: str, args, max_length: int, **options):
+    """load_scorer with the eval scripts' shared flags: --parallel_mode, --sp-size, --ring_degree,
+    --rope-theta, --dtype."""
+    return load_scorer(
+        accelerator,
+        source,
+        args.parallel_mode,
+        max_length=max_length,
+        sp_size=args.sp_size,
+        ring_degree=args.ring_degree,
+        rope_theta=args.rope_theta,
+        dtype=args.dtype,
+        **options,
+    )

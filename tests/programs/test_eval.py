@@ -277,29 +277,64 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
 
 @pytest.mark.timeout(120)
 def test_eval_scripts_refuse_bad_input_clearly(tmp_path):
+    """Launched: no model where the default one is looked for (exit 2, one line, no traceback)."""
+    for script in ("eval_needle.py", "eval_ppl.py"):
+        result = run_script(script, cwd=tmp_path)  # no outputs/ here
+        assert result.returncode == 2 and "no model at outputs/tiny-llama" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_eval_scripts_refuse_bad_flags_clearly(tmp_path, capsys):
+    """Each eval script's flag checks, in this process: exit 2 with the reason."""
+    import eval_needle
+    import eval_ppl
+    import eval_ruler
+
     cases = [
-        ("eval_needle.py", [], "no model at outputs/tiny-llama"),
-        (
-            "eval_needle.py",
-            ["--task", "passkey", "--num_distractor", "2"],
-            "--num_distractor applies to the needle task only",
-        ),
-        (
-            "eval_needle.py",
-            ["--min_context_length", "900", "--max_context_length", "100"],
-            "--min_context_length <= --max_context_length",
-        ),
-        ("eval_needle.py", ["--haystack_dir", str(tmp_path)], "no .txt files there"),
-        ("eval_ppl.py", [], "no model at outputs/tiny-llama"),
-        ("eval_ppl.py", ["--dataset", "a", "--tokenized", "b"], "not both"),
+        (eval_needle, ["--task", "passkey", "--num_distractor", "2"], "--num_distractor applies to the needle task"),
+        (eval_needle, ["--min_context_length", "900", "--max_context_length", "100"], "--min_context_length <= --max"),
+        (eval_needle, ["--haystack_dir", str(tmp_path)], "no .txt files there"),
+        (eval_ppl, ["--dataset", "a", "--tokenized", "b"], "not both"),
+        (eval_ruler, ["--tasks", "vt,frob", "--samples", "0"], "--tasks: unknown ['frob']"),
     ]
     for script, flags, message in cases:
-        result = run_script(script, *flags, cwd=tmp_path)  # no outputs/ here
-        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, (
-            script,
-            flags,
-            result.stderr[-2000:],
-        )
+        with pytest.raises(SystemExit) as exit_:
+            script.parse_args(flags)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, (script.__name__, flags)
+
+
+@pytest.mark.timeout(300)
+def test_eval_ruler_answers_as_one_process_and_writes_the_table(tmp_path):
+    """eval_ruler.py at P=2 (zigzag_ring_attn) on the shipped base: a row per (task, length,
+    sample), each with the answer model.generate gives to the same prompt in one process and its
+    RULER score; the table (a task too long for a length: left out, and said), CSV and heatmap."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from easy_context.programs import ruler
+
+    demo = str(ROOT / "models" / "demo-base")
+    flags = ["--model", demo, "--tasks", "niah_multikey_2,vt,cwe", "--lengths", "256,512", "--samples", "2"]
+    result = ok(run_script("eval_ruler.py", *flags, "--output-dir", str(tmp_path), "--hide-progress", processes=2))
+    assert "| cwe | - | " in result.stdout, result.stdout  # cwe's list does not fit 256 tokens
+    with open(tmp_path / "ruler_demo-base.csv", newline="") as f:  # answers hold newlines
+        rows = list(csv.DictReader(f))
+    assert [(r["task"], r["length"], r["sample"]) for r in rows] == [
+        (task, length, sample)
+        for task in ("niah_multikey_2", "vt", "cwe")
+        for length in ("256", "512")
+        for sample in ("0", "1")
+        if (task, length) != ("cwe", "256")
+    ]
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(demo), AutoTokenizer.from_pretrained(demo)
+    for row in rows:
+        sample = ruler.make_sample(row["task"], tokenizer, int(row["length"]), 0, int(row["sample"]))
+        prompt = torch.tensor([sample.input_ids])
+        output = model.generate(prompt, max_new_tokens=sample.max_new_tokens, do_sample=False, pad_token_id=0)
+        answer = tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
+        assert row["answer"] == answer and float(row["score"]) == ruler.score(answer, sample.outputs), row
+    summary = json.loads((tmp_path / "ruler_demo-base.json").read_text())
+    assert set(summary["scores"]) == {f"{r['task']}/{r['length']}" for r in rows} and "cwe/256" in summary["too_short"]
+    assert (tmp_path / "ruler_demo-base.png").stat().st_size > 0
 
 
 # ------------------------------------------------------------------ needle placement
