@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Print the README's model-type tables from easy_context/hf/architectures.py (one list).
+"""Print the model-type tables of docs/model_types.md from easy_context/hf/architectures.py (one list).
 
 python -m tools.model_types_table
 """

@@ -3,7 +3,7 @@
 The record is model_types.py (SUPPORTED: proven exact by tools/sweep_models.py; REFUSED: the
 reason of every other causal-LM type). This module applies it: the model types of a model or
 config, the features of a config that no test has proven (layer kinds, rope types), the
-logits head, and the README's tables.
+logits head, and the model-type tables of docs/model_types.md.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def _transformed(linear, transform, config, hidden):
 
 
 def markdown_tables() -> str:
-    """The README's model-type tables (tests/unit/test_architectures.py checks the README has them;
+    """The model-type tables of docs/model_types.md (tests/unit/test_architectures.py checks the page has them;
     tools/model_types_table.py prints them)."""
     lines = ["| model type | what it adds to Llama's architecture |", "|---|---|"]
     lines += [f"| `{name}` | {', '.join(features) or 'nothing'} |" for name, features in SUPPORTED.items()]

@@ -286,7 +286,7 @@ def script_failures(script: str, stage: Stage, timeout: float | None):
       where it was raised;
     - a collective that times out (a stuck peer) or breaks (a dead peer): exit
       EXIT_DIST_FAILURE, naming the rank, the step and the phase. On gloo, that is; NCCL's
-      watchdog aborts the process itself (see --dist-timeout in the README)."""
+      watchdog aborts the process itself (see --dist-timeout in docs/bad_inputs.md)."""
     try:
         yield
     except (ValueError, OSError) as error:

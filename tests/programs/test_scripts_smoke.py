@@ -278,6 +278,38 @@ def test_hf_trainer_example(tmp_path, flags):
     assert "'eval_loss'" in out.stdout
 
 
+@pytest.mark.timeout(120)
+def test_the_training_loop_example_equals_one_process():
+    """examples/training_loop.py (the docs' and the README's custom loop): its losses at 2 ranks
+    (zigzag_ring_attn) equal those of one unpatched process on the whole sequence."""
+
+    def losses(processes, *flags):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(processes),
+                str(ROOT / "examples" / "training_loop.py"),
+                "--seq-length",
+                "512",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=110,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+
+    sharded, whole = losses(2), losses(1, "--mode", "data_parallel")
+    assert len(sharded) == len(whole) == 3
+    assert sharded == pytest.approx(whole, rel=1e-5, abs=1e-6), (sharded, whole)
+
+
 @pytest.mark.timeout(300)
 def test_bench_generate_smoke(tmp_path):
     csv_path = tmp_path / "generate.csv"

@@ -168,14 +168,14 @@ def test_moe_router_loss_is_refused_for_training():
 
 # (type, mode and flags): eager attention + final softcap; sinks + MoE through dist_flash's
 # checkpoint-aware reuse of the attention output; MLA through Ulysses
-def test_the_readme_lists_exactly_the_supported_and_refused_types():
+def test_the_model_types_page_lists_exactly_the_supported_and_refused_types():
     from pathlib import Path
 
     from easy_context.hf.architectures import markdown_tables
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("<!-- model-types:begin -->\n", 1)[1].split("\n<!-- model-types:end -->", 1)[0]
-    assert block == markdown_tables(), "README out of date: paste the output of python -m tools.model_types_table"
+    page = (Path(__file__).resolve().parents[2] / "docs" / "model_types.md").read_text()
+    block = page.split("<!-- model-types:begin -->\n", 1)[1].split("\n<!-- model-types:end -->", 1)[0]
+    assert block == markdown_tables(), "docs/model_types.md out of date: paste python -m tools.model_types_table"
 
 
 def test_a_mask_we_cannot_describe_is_refused_not_replaced():

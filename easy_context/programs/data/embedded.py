@@ -4,7 +4,7 @@ A corpus made of the Python standard library's source files, a byte-level tokeni
 locally (token id = byte value, plus one end-of-text token), English prose for needle
 haystacks, and synthetic retrieval rows (needles hidden in that code, then asked about) in
 exactly the format eval_needle.py scores: the right data for retrieval, though the tiny
-model does not learn it within the README's budget (README, Evaluation).
+model does not learn it within the default job's budget (docs/guides/evaluation.md).
 """
 
 from __future__ import annotations
