@@ -31,7 +31,8 @@ Package map (rooms; docs/architecture.md draws them):
                 __init__, the pieces of their cost declarations in costs.py
     hf/         the transformers integration: context (SequenceParallel), api, patch, admission,
                 architectures, replicas, generation, sharded_cache, trainer
-    programs/   what train.py, the eval scripts and the planner need: launch, data/, models, loss,
+    programs/   what train.py, the eval scripts and the planner need: training/ (train.py's steps and
+                flags), launch, data/, models, loss,
                 checkpointing, tiled_mlp, needle, ruler (+ ruler_tasks/), evaluation, harness
                 (lm-eval's model; imports lm-eval), plots, plan/
     versions.py supported versions (pyproject's ranges) and the transformers APIs that changed

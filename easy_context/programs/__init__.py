@@ -1,5 +1,6 @@
 """What the programs (train.py, the eval scripts, the planner) need, apart from the library.
 
+training/      train.py's steps (run, model, batches, report) and its flags, by group, with their checks
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
 data/          datasets to packed rows; the embedded default corpus
 models.py      load or build a model for a supported type

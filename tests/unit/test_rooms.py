@@ -37,3 +37,40 @@ def test_each_room_imports_only_the_rooms_below_it():
                 if room in WITHOUT_TRANSFORMERS and parts[0] == "transformers":
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert not wrong, wrong
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_module_imports_itself_back():
+    """No import circle between modules (lazy imports inside functions included): the import of
+    `a.b` or `from a import b` counts as an edge to the module b where b is one, else to a."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & modules.keys()
+                targets |= submodules or {node.module}
+        # a package's own __init__ is not an import of its children
+        edges[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in edges[node]:
+                if nxt == start:
+                    return trail + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+        return None
+
+    cycles = {tuple(sorted(set(c))): c for name in modules if (c := cycle_from(name))}
+    assert not cycles, [" -> ".join(c) for c in cycles.values()]
