@@ -251,30 +251,25 @@ def test_bench_replica_check_smoke():
     assert "one check" in out.stdout
 
 
+def run_example(script: str, processes: int, *flags: str, timeout: int) -> subprocess.CompletedProcess:
+    """examples/<script> under torchrun on `processes` CPU processes; it must exit 0."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    out = subprocess.run(
+        [*command, str(ROOT / "examples" / script), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("flags", [[], ["--sft", "--mode", "ulysses_attn"]], ids=["trainer", "sft"])
 def test_hf_trainer_example(tmp_path, flags):
     """examples/hf_trainer.py: the README's Trainer script, 2 steps on 2 CPU processes."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "examples" / "hf_trainer.py"),
-            "--max-steps",
-            "2",
-            "--output-dir",
-            str(tmp_path),
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=190,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_example("hf_trainer.py", 2, "--max-steps", "2", "--output-dir", str(tmp_path), *flags, timeout=190)
     assert "'eval_loss'" in out.stdout
 
 
@@ -284,25 +279,7 @@ def test_the_training_loop_example_equals_one_process():
     (zigzag_ring_attn) equal those of one unpatched process on the whole sequence."""
 
     def losses(processes, *flags):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(processes),
-                str(ROOT / "examples" / "training_loop.py"),
-                "--seq-length",
-                "512",
-                *flags,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=110,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        out = run_example("training_loop.py", processes, "--seq-length", "512", *flags, timeout=110)
         return [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
 
     sharded, whole = losses(2), losses(1, "--mode", "data_parallel")
