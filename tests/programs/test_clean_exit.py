@@ -20,25 +20,30 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 RUNS = 3
-# Runs last among the worker's exit hooks (registered first): the teardown has run by then.
+# Runs last among the worker's exit hooks (registered first): the teardown has run by then. Each
+# rank writes its report to a file of its own: the ranks share one stderr pipe, where two
+# reports written at the same moment interleave on one line.
 EXIT_REPORT = """
 import atexit, os, sys
 
 def _report():
     dist = sys.modules.get("torch.distributed")
     up = bool(dist is not None and dist.is_available() and dist.is_initialized())
-    print(f"exit report: rank {os.environ['RANK']} process group up: {up}", file=sys.stderr, flush=True)
+    with open(os.path.join(os.environ["EXIT_REPORT_DIR"], "rank" + os.environ["RANK"]), "w") as report:
+        report.write(f"process group up: {up}")
 
 if "RANK" in os.environ:  # torchrun's workers, not torchrun itself
     atexit.register(_report)
 """
 
 
-def _torchrun(script: Path, port_dir) -> subprocess.CompletedProcess:
+def _torchrun(script: Path, port_dir: Path, reports: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     (port_dir / "sitecustomize.py").write_text(EXIT_REPORT)
     path = os.pathsep.join(p for p in (str(port_dir), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path, EXIT_REPORT_DIR=str(reports)
+    )
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=port_dir)
 
 
@@ -55,9 +60,11 @@ def _why(stderr: str) -> str:
 def test_user_scripts_exit_0_every_time(script, tmp_path):
     failures = []
     for run in range(RUNS):
-        result = _torchrun(SCRIPTS / script, tmp_path)
-        reports = sorted(line for line in result.stderr.splitlines() if line.startswith("exit report:"))
-        torn_down = [f"exit report: rank {rank} process group up: False" for rank in (0, 1)]
-        if result.returncode != 0 or reports != torn_down:
-            failures.append(f"run {run}: exit {result.returncode}, {reports}\n{_why(result.stderr)}")
+        reports = tmp_path / f"reports-{run}"
+        reports.mkdir()
+        result = _torchrun(SCRIPTS / script, tmp_path, reports)
+        said = {path.name: path.read_text() for path in sorted(reports.iterdir())}
+        torn_down = {f"rank{rank}": "process group up: False" for rank in (0, 1)}
+        if result.returncode != 0 or said != torn_down:
+            failures.append(f"run {run}: exit {result.returncode}, {said}\n{_why(result.stderr)}")
     assert not failures, f"{len(failures)} of {RUNS} runs of {script} failed:\n" + "\n".join(failures)
