@@ -34,6 +34,11 @@ JOB_DEFAULTS = {
 Check = Callable[[str, object, argparse.Namespace], "str | None"]  # (flag, its value, all flags) -> refusal
 
 
+def dest_of(name: str) -> str:
+    """argparse's attribute for a flag: --seq-length -> seq_length."""
+    return name.removeprefix("--").replace("-", "_")
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str
@@ -42,7 +47,7 @@ class Flag:
 
     @property
     def dest(self) -> str:
-        return self.name.removeprefix("--").replace("-", "_")
+        return dest_of(self.name)
 
 
 def flag(name: str, check: Check | None = None, **options) -> Flag:
@@ -59,7 +64,7 @@ def optional_at_least(bound: int) -> Check:
 
 def needs(other: str, why: str = "") -> Check:
     """A flag that means something only with `other` (a switch)."""
-    dest = other.removeprefix("--").replace("-", "_")
+    dest = dest_of(other)
     return lambda name, value, args: f"{name} needs {other}{why}" if value and not getattr(args, dest) else None
 
 
