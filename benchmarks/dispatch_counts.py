@@ -14,7 +14,12 @@ counts is the per-layer cost, the 4-layer count the per-step cost.
   training   one forward + backward of a causal LM loss, after a warm-up step
              masks: causal; packed (three documents per row); window (Mistral, sliding_window)
   decoding   easy_context's generate vs HF generate, per new token (the difference between
-             two numbers of new tokens, so the prefill drops out)
+             two numbers of new tokens, so the prefill drops out): one prompt without padding,
+             and a left-padded batch of two (its padding masked), over two spans of new tokens
+  new bytes  bytes of the tensors ops create (neither views nor in-place writes): per layer
+             per token, what a decoding step materialises; it must not grow with the cache
+The replica guard (hf/replicas.py) is off on the ranks: its check every 16 attention forwards
+would land in some spans and not others (benchmarks/bench_replica_check.py measures it).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import collections
 import os
 import tempfile
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,7 +67,9 @@ class DispatchCounts(TorchDispatchMode):
         self.ops = 0
         self.syncs = 0
         self.launches = 0  # ops that are not views: about one kernel launch each on CUDA
+        self.new_bytes = 0  # bytes of the tensors non-view, not in-place ops return
         self.by_op = collections.Counter()
+        self.new_bytes_by_op = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
@@ -73,7 +81,13 @@ class DispatchCounts(TorchDispatchMode):
             self.by_op[(name, _caller())] += 1
         if name in HOST_SYNC_OPS:
             self.syncs += 1
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if name not in VIEW_OPS and not name.endswith("_") and "out" not in (kwargs or {}):
+            outputs = result if isinstance(result, (tuple, list)) else (result,)
+            made = sum(x.nbytes for x in outputs if isinstance(x, torch.Tensor))
+            self.new_bytes += made
+            self.new_bytes_by_op[name] += made
+        return result
 
 
 def tiny_model(mask: str, layers: int):
@@ -111,6 +125,15 @@ def batch(seq_len: int, mask: str):
     return input_ids, positions[None]
 
 
+def padded_prompts(length: int, pad: int):
+    """Two prompts of `length` tokens, the second left-padded by `pad`: (input_ids, attention_mask)."""
+    g = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(1, VOCAB, (2, length), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    input_ids[1, :pad], attention_mask[1, :pad] = 0, 0
+    return input_ids, attention_mask
+
+
 def _train_step(model, input_ids, position_ids):
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), input_ids.flatten()).backward()
@@ -123,10 +146,6 @@ def count_case(run) -> DispatchCounts:
     return counts
 
 
-def _decode(model, generate, prompt, new_tokens):
-    return lambda: generate(model, prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-
-
 def _measure(build, train, decode, spec) -> dict:
     """{(case, mask or 'decoding', layers[, tokens]): (ops, syncs)} for one way of running."""
     results = {}
@@ -137,13 +156,23 @@ def _measure(build, train, decode, spec) -> dict:
             results[("launches", mask, layers)] = counts.launches
             results[("by_op", mask, layers)] = counts.by_op
     if spec["decode"]:
+        prompts = {
+            "decode": (batch(spec["prompt_len"], "causal")[0], None, spec["decode_tokens"]),
+            "padded": (*padded_prompts(spec["prompt_len"], spec["prompt_pad"]), spec["padded_decode_tokens"]),
+        }
         for layers in (2, 4):
             model = build("causal", layers).eval()
-            for tokens in spec["decode_tokens"]:
-                counts = count_case(decode(model, tokens))
-                results[("decode", layers, tokens)] = (counts.ops, counts.syncs)
-                results[("by_op", "decode", layers, tokens)] = counts.by_op
+            for case, (input_ids, attention_mask, new_tokens) in prompts.items():
+                for tokens in new_tokens:
+                    counts = count_case(decode(model, input_ids, attention_mask, tokens))
+                    results[(case, layers, tokens)] = (counts.ops, counts.syncs, counts.new_bytes)
+                    results[("by_op", case, layers, tokens)] = counts.by_op
+                    results[("new_bytes_by_op", case, layers, tokens)] = counts.new_bytes_by_op
     return results
+
+
+def _greedy(tokens: int) -> dict:
+    return dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
 
 
 def reference_counts(spec) -> dict:
@@ -155,10 +184,8 @@ def reference_counts(spec) -> dict:
         input_ids, positions = batch(spec["seq_len"], mask)
         return lambda: _train_step(model, input_ids, positions)
 
-    prompt = batch(spec["prompt_len"], "causal")[0]
-
-    def decode(model, tokens):
-        return lambda: model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    def decode(model, input_ids, attention_mask, tokens):
+        return lambda: model.generate(input_ids, attention_mask=attention_mask, **_greedy(tokens))
 
     return _measure(tiny_model, train, decode, spec)
 
@@ -181,14 +208,15 @@ def rank_counts(rank: int, world: int, spec) -> dict:
         local = contexts[-1].shard(input_ids, positions)
         return lambda: _train_step(model, local["local_input_ids"], local["local_position_ids"])
 
-    prompt = batch(spec["prompt_len"], "causal")[0]
-
-    def decode(model, tokens):
+    def decode(model, input_ids, attention_mask, tokens):
         context = contexts[-1]
-        return lambda: context.generate(model, prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        return lambda: context.generate(model, input_ids, attention_mask=attention_mask, **_greedy(tokens))
 
     try:
-        return _measure(build, train, decode, spec)
+        # the guard reads this once, at the first patched forward; the caller's environment
+        # (a test session's, whose later ranks fork from it) is left as it was
+        with mock.patch.dict(os.environ, {"EASY_CONTEXT_REPLICA_CHECK_EVERY": "0"}):
+            return _measure(build, train, decode, spec)
     finally:
         easy_context.teardown()
 
@@ -204,17 +232,19 @@ def launches_per_layer(results: dict, mask: str) -> float:
     return (results[("launches", mask, 4)] - results[("launches", mask, 2)]) / 2
 
 
-def per_token(results: dict, tokens: tuple[int, int]) -> dict:
-    """Per new token: ops per layer, host syncs per layer and host syncs per token."""
+def per_token(results: dict, tokens: tuple[int, int], case="decode") -> dict:
+    """Per new token of a decoding case ("decode" or "padded"), between two numbers of new
+    tokens: ops, host syncs and new bytes per layer, and host syncs per token."""
     n1, n2 = tokens
 
     def delta(layers, index):
-        return (results[("decode", layers, n2)][index] - results[("decode", layers, n1)][index]) / (n2 - n1)
+        return (results[(case, layers, n2)][index] - results[(case, layers, n1)][index]) / (n2 - n1)
 
     return {
         "ops_per_layer": (delta(4, 0) - delta(2, 0)) / 2,
         "syncs_per_layer": (delta(4, 1) - delta(2, 1)) / 2,
         "syncs_per_token": delta(4, 1),
+        "bytes_per_layer": (delta(4, 2) - delta(2, 2)) / 2,
     }
 
 
@@ -226,7 +256,9 @@ def spec_for(seq_len=1024, window=128, masks=MASKS, decode=True, mode=None) -> d
         masks=tuple(masks),
         decode=decode,
         prompt_len=64,
+        prompt_pad=24,  # the left padding of the padded batch's second row
         decode_tokens=(4, 8),
+        padded_decode_tokens=(4, 8, 16),  # two spans: per token, at two cache lengths
     )
 
 
@@ -270,9 +302,9 @@ def main() -> None:
     )
     print(
         "| mode | case | host syncs per step | (unpatched) | ops per layer | (unpatched) | ratio "
-        "| non-view ops per layer | (unpatched) | ratio |"
+        "| non-view ops per layer | (unpatched) | ratio | new bytes per layer | (unpatched) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
         ranks = run_mode({**base, "mode": mode})
         for mask in MASKS:
@@ -283,16 +315,23 @@ def main() -> None:
             ref_launches = launches_per_layer(reference, mask)
             print(
                 f"| {mode} | train, {mask} | {syncs} | {ref_syncs} | {ops:.0f} | {ref_ops:.0f} | {ops / ref_ops:.2f} "
-                f"| {launches:.0f} | {ref_launches:.0f} | {launches / ref_launches:.2f} |"
+                f"| {launches:.0f} | {ref_launches:.0f} | {launches / ref_launches:.2f} | | |"
             )
         tokens = base["decode_tokens"]
-        ours = {key: max(per_token(r, tokens)[key] for r in ranks) for key in per_token(ranks[0], tokens)}
-        theirs = per_token(reference, tokens)
-        print(
-            f"| {mode} | decoding, per token | {ours['syncs_per_token']:.2f} (per layer {ours['syncs_per_layer']:.2f})"
-            f" | {theirs['syncs_per_token']:.2f} | {ours['ops_per_layer']:.1f} | {theirs['ops_per_layer']:.1f} | "
-            f"{ours['ops_per_layer'] / theirs['ops_per_layer']:.2f} | | | |"
-        )
+        spans = base["padded_decode_tokens"]
+        cases = [("decode", tokens, "decoding, per token")]
+        for span in zip(spans, spans[1:]):
+            cases.append(("padded", span, f"decoding, left-padded, tokens {span[0]}-{span[1]}"))
+        for case, tokens, label in cases:
+            per_rank = [per_token(r, tokens, case) for r in ranks]
+            ours = {key: max(counts[key] for counts in per_rank) for key in per_rank[0]}
+            theirs = per_token(reference, tokens, case)
+            print(
+                f"| {mode} | {label} | {ours['syncs_per_token']:.2f} (per layer {ours['syncs_per_layer']:.2f})"
+                f" | {theirs['syncs_per_token']:.2f} | {ours['ops_per_layer']:.1f} | {theirs['ops_per_layer']:.1f} | "
+                f"{ours['ops_per_layer'] / theirs['ops_per_layer']:.2f} | | | | {ours['bytes_per_layer']:.0f} "
+                f"| {theirs['bytes_per_layer']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,16 @@ than one K/V slot per token does and no communication per step.
 
 Where the hook sits: the patch's attention dispatcher hands a layer's call to the cache's `attend`
 while a ShardedKVCache is decoding (`SequenceParallel.decoding_with(cache)`); the prefill goes through the
-mode's own attention. Masks: padding (left-padded batches) and per-layer sliding windows are
-described per cache slot (its sequence index and validity), the same rule as masking.py.
+mode's own attention.
+
+Masks (the rule of masking.py: valid, not after the query, within the window). A step feeds one
+token, whose query may attend every slot up to it; what it may not attend is
+- slots out of a sliding window: the oldest ones, skipped (and dropped from the next step on);
+- the prompt's left padding: a few slots of the prefill, fixed when the prompt is. Only those
+  slots (up to the last one that is padding in any row) go to the masked kernel; the rest of the
+  cache, everything decoding appends, goes to the unmasked one (on CUDA flash, in bf16/fp16), and the
+  two partial results merge exactly. So what a masked step makes per layer (a bias over the
+  padded slots) is fixed by the prompt and does not grow with the cache.
 """
 
 from __future__ import annotations
@@ -127,9 +135,11 @@ def _copied(x: torch.Tensor, start: int, stop: int, capacity: int) -> torch.Tens
 class ShardedKVCache(Cache):
     """This SP rank's shard of every layer's K/V, for transformers' generate.
 
-    Every slot has a sequence index and, per batch row, a validity bit (False: the prompt's
-    left padding). `length` is the length of the whole sequence so far, what transformers
-    sees as the cache length.
+    Every slot has a sequence index (`positions`, increasing: the layouts keep a rank's tokens
+    in order and new tokens come last). The first `padded_slots` slots have, per batch row, a
+    validity bit (`valid`; False: the prompt's left padding); every later slot is valid in every
+    row. `length` is the length of the whole sequence so far, what transformers sees as the
+    cache length.
     """
 
     def __init__(self, group, sp_rank: int, sp_size: int, config=None):
@@ -141,16 +151,13 @@ class ShardedKVCache(Cache):
             super().__init__(layers=_mixer_layers(config))
         self.group, self.rank, self.size = group, sp_rank, sp_size
         self.length = 0
-        self.index: torch.Tensor | None = None  # (slots,) int64
-        self.valid: torch.Tensor | None = None  # (B, slots) bool
+        self.positions: list[int] = []  # each slot's sequence index, on the host
+        self.padded_slots = 0  # the slots up to the last one that is padding in some row
+        self.valid: torch.Tensor | None = None  # (B, padded_slots) bool
         self.prefilled = False  # False: update stores the prefill's shard; True: update appends a step's tokens
         self._prefill = None  # (slots the prefill passes, the positions among them that are kept or None, length)
         self._step_kept = None  # positions among the step's new tokens that this rank keeps
         self._pending = None  # the layer updated last, whose attention comes next
-        self._masks: dict = {}  # (window, first slot) -> the step's mask or None (all allowed)
-        # Host-side mirrors, so decoding decides what to mask and drop without reading the device:
-        self.positions: list[int] = []  # self.index as a Python list
-        self.all_valid = True  # no slot is padding in any batch row
         self._kept: dict = {}  # (kept positions among a step's tokens, device) -> their index tensor
         self._checked_at = -1  # the length at the last cross-rank query check
         self._diverged = None  # that check's verdict (a bool tensor), read one step later
@@ -163,13 +170,14 @@ class ShardedKVCache(Cache):
         mask, and a masked kernel is the slower one."""
         real = index >= 0
         self._prefill = (index.shape[0], None if bool(real.all()) else torch.nonzero(real).flatten(), length)
-        self.index, self.valid = index[real], valid[:, real]
-        self.positions, self.all_valid = self.index.tolist(), bool(self.valid.all())  # once per prompt
+        valid = valid[:, real]
+        padded = torch.nonzero(~valid.all(0)).flatten().tolist()  # host syncs once per prompt, as tolist()
+        self.positions, self.padded_slots = index[real].tolist(), (padded[-1] + 1 if padded else 0)
+        self.valid = valid[:, : self.padded_slots]
 
     def finish_prefill(self, batch: int, device) -> None:
         """From here on update appends decoding steps' tokens; the cache holds the prefill's."""
-        if self.index is None:  # a one-token prompt: nothing was prefilled
-            self.index = torch.empty(0, dtype=torch.long, device=device)
+        if self.valid is None:  # a one-token prompt: nothing was prefilled
             self.valid = torch.empty(batch, 0, dtype=torch.bool, device=device)
         else:
             self.length = self._prefill[2]
@@ -189,11 +197,10 @@ class ShardedKVCache(Cache):
         if key_states.shape[0] != self.valid.shape[0]:
             self._expand_batch(key_states.shape[0])
         if layer.updated_at == self.length:  # the first layer of this step: admit its tokens
-            self._admit(key_states.shape[-2], key_states.shape[0], key_states.device)
+            self._admit(key_states.shape[-2], key_states.device)
         layer.updated_at = self.length
         if layer.window is not None:  # slots no query from this step on can reach
-            oldest_query = self.length - key_states.shape[-2]
-            layer.first = max(layer.first, bisect.bisect_left(self.positions, oldest_query - layer.window + 1))
+            layer.first = max(layer.first, self._first_in_window(layer.window))
         self._pending = layer_idx
         return layer.append(key_states[..., self._step_kept, :], value_states[..., self._step_kept, :])
 
@@ -208,48 +215,50 @@ class ShardedKVCache(Cache):
             raise RuntimeError(f"decoding a batch of {batch} rows with a cache of {self.valid.shape[0]} rows")
         self.batch_repeat_interleave(repeats)
 
-    def _admit(self, new: int, batch: int, device) -> None:
-        kept = tuple(i for i in range(new) if (self.length + i) % self.size == self.rank)
-        if (kept, device) not in self._kept:  # a handful of patterns: no host-to-device copy per step
+    def _admit(self, new: int, device) -> None:
+        if new != 1:  # model.generate feeds one token per step once the cache holds the prompt
+            raise ValueError(
+                f"generate: a decoding step of {new} tokens; the sharded cache decodes one token per step, as "
+                "model.generate does"
+            )
+        kept = (0,) if self.length % self.size == self.rank else ()
+        if (kept, device) not in self._kept:  # two patterns, kept or not: no host-to-device copy per step
             self._kept[kept, device] = torch.tensor(kept, dtype=torch.long, device=device)
         self._step_kept = self._kept[kept, device]
-        self.index = torch.cat([self.index, self._step_kept + self.length])
         self.positions += [self.length + i for i in kept]
-        self.valid = torch.cat(
-            [self.valid, torch.ones(batch, len(self._step_kept), dtype=torch.bool, device=device)], dim=1
-        )
-        self.length += new
-        self._masks = {}
+        self.length += 1
 
     # -------------------------------------------------------- attention
-    def step_mask(self, new: int, window: int | None, first: int = 0) -> torch.Tensor | None:
-        """(B, 1, new, slots - first) bool: which local slots from `first` on the step's queries
-        may attend (the masking.py rule: valid, not after the query, within the window); None
-        when every one is allowed. Computed once per step, window and first slot."""
-        key = (window, first)
-        if key not in self._masks and self._all_allowed(new, window, first):
-            self._masks[key] = None
-        if key not in self._masks:
-            index, valid = self.index[first:], self.valid[:, first:]
-            queries = torch.arange(self.length - new, self.length, device=index.device)[:, None]
-            allowed = valid[:, None, None, :] & (index <= queries)
-            if window is not None:
-                allowed = allowed & (queries - index < window)
-            self._masks[key] = allowed
-        return self._masks[key]
+    def _first_in_window(self, window: int) -> int:
+        """The oldest slot the step's query reaches through a sliding window (masking.py's rule:
+        query - position < window); the slots before it are out of reach for every later query."""
+        return bisect.bisect_left(self.positions, self.length - window)
 
-    def _all_allowed(self, new: int, window: int | None, first: int) -> bool:
-        """Whether every live slot from `first` on is valid, not after the step's first query and
-        within the window of its last one (from the host-side mirrors)."""
-        if not self.all_valid:
-            return False
-        if len(self.positions) <= first:
-            return True
-        oldest, newest = self.length - new, self.length - 1
-        return self.positions[-1] <= oldest and (window is None or newest - self.positions[first] < window)
+    def _local_attention(self, q, k, v, scale: float, first: int, window, softcap):
+        """This rank's partial (out, lse) of the step's query over its live slots k, v (the
+        cache's slots from `first` on): the slots out of the window skipped, the prompt's padded
+        slots under their mask, the rest unmasked, the two parts merged (the module docstring)."""
+        total = first + k.shape[-2]
+        start = first if window is None else max(first, self._first_in_window(window))
+        split = min(max(start, self.padded_slots), total)
+        parts = []
+        if split > start:
+            mask = self.valid[:, None, None, start:split]  # a view: (B, 1, 1, slots)
+            keys, values = (x[..., start - first : split - first, :] for x in (k, v))
+            parts.append(attention_forward(q, keys, values, False, scale, mask=mask, softcap=softcap))
+        if total > split:
+            keys, values = (x if split == first else x[..., split - first :, :] for x in (k, v))
+            parts.append(attention_forward(q, keys, values, False, scale, softcap=softcap))
+        acc = accumulation_dtype(q.dtype)
+        if not parts:  # nothing here yet (a one-token prompt on P ranks), or all out of the window
+            return q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc), q.new_full(q.shape[:-1], -math.inf, dtype=acc)
+        out, lse = parts[0][0].to(acc), parts[0][1].to(acc)
+        if len(parts) == 2:
+            merge_block(out, lse, *parts[1])  # the padded part may have rows without a key: lse -inf
+        return out, lse
 
     def attend(self, q, k, v, scale: float, layer_idx: int, window=None, softcap=None, sinks=None) -> torch.Tensor:
-        """Exact attention of the step's queries q (B, Hq, n, D), the same on every rank, over
+        """Exact attention of the step's query q (B, Hq, 1, D), the same on every rank, over
         the K/V of every rank (k, v: this rank's live slots of layer `layer_idx`, as update
         returned them): local partial, one all-gather, log-sum-exp merge."""
         if self._pending != layer_idx:
@@ -262,14 +271,8 @@ class ShardedKVCache(Cache):
         layer = self.layers[layer_idx]
         if window is not None and window < self.length:
             layer.window = window  # from the next step on, update drops what falls out of it
-        acc = accumulation_dtype(q.dtype)
-        if k.shape[-2] == 0:  # nothing here yet (a one-token prompt on P ranks)
-            out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=acc)
-            lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
-        else:
-            mask = self.step_mask(q.shape[2], window, layer.first)
-            out, lse = attention_forward(q, k, v, False, scale, mask=mask, softcap=softcap)
-        out, lse = out.to(acc), lse.to(acc)
+        out, lse = self._local_attention(q, k, v, scale, layer.first, window, softcap)
+        acc = out.dtype
         if self.group is not None:
             # With the step's first partial (out, lse) goes a checksum of the queries: ranks
             # whose tokens diverged would otherwise keep decoding different sequences until one
@@ -332,7 +335,6 @@ class ShardedKVCache(Cache):
         for layer in self.layers:
             layer.select_batch(indices)
         self.valid = self.valid.index_select(0, indices.to(self.valid.device))
-        self._masks = {}
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.batch_select_indices(torch.arange(self.valid.shape[0]).repeat_interleave(repeats))

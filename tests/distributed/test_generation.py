@@ -185,7 +185,7 @@ def _cache_worker(rank, world_size):
     model = tiny_model("llama").eval()
     ids, mask = prompts(1, 131, seed=1)  # 130 tokens prefilled: padded to 132 for the zigzag layout
     _, cache = generate_keeping_cache(model, ids, mask, max_new_tokens=10, do_sample=False)
-    return cache.length, cache.index.tolist(), [(layer.used, layer.keys.shape[-2]) for layer in cache.layers]
+    return cache.length, cache.positions, [(layer.used, layer.keys.shape[-2]) for layer in cache.layers]
 
 
 @pytest.mark.timeout(120)
@@ -217,7 +217,7 @@ def _window_worker(rank, world_size):
             layer.used - (layer.first - layer.base),
             layer.keys.shape[-2],
             layer.first,
-            cache.index[layer.first :].min().item(),
+            min(cache.positions[layer.first :]),
         )
         for layer in cache.layers
     ]
