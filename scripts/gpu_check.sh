@@ -2,11 +2,13 @@
 # Everything a GPU has to show, in one run, into ONE results file. Sized for one H200: the
 # sections' limits add up to the 420 s default deadline (the device tool allows 600 s per
 # command, start-up included); a section the deadline leaves no time for is reported as not run.
+# On several GPUs it runs, by default, what one GPU cannot (the NCCL sections) and what they
+# need, within the same deadline (SEVERAL_GPUS_ONLY below; `--only` chooses others).
 #
 #   bash scripts/gpu_check.sh                   # on a CUDA machine: results in gpu_check_results/gpu_check.md
 #   bash scripts/gpu_check.sh --out DIR         # (the device tool's $OUT is used when set)
 #   bash scripts/gpu_check.sh --dry-run         # on CPU: the same sections at CPU sizes (CI runs this)
-#   bash scripts/gpu_check.sh --deadline 420    # seconds for the whole run (default 420; dry run 900)
+#   bash scripts/gpu_check.sh --deadline 420    # seconds for the whole run (default 420; dry run 1200)
 #   bash scripts/gpu_check.sh --only kernels,train   # just these sections (a rerun of what failed)
 #
 # Sections (each with its own time limit; one failing does not stop the others):
@@ -23,14 +25,23 @@
 #               vs the unpatched model (fp32, bf16 weights, fp32 under bf16 autocast)
 #   softcap     the same for Gemma-2 (softcapped logits, sliding windows: flex), zigzag_ring_attn
 #   modes_pN    every mode on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
-#   generate    tools/check_generate.py: easy_context.generate vs model.generate (1 rank on a GPU,
-#               2 gloo ranks on CPU), left-padded batches, a window, softcap: tokens, logits, ms/token
+#   collectives_pN  (several GPUs; 2 gloo ranks in the dry run) tools/check_collectives.py: every
+#               transfer the modes make (all-gather, broadcast, all-reduce, all-to-all, batched
+#               and one-way P2P) over the groups each topology builds: exact, and timed
+#   generate    tools/check_generate.py: easy_context.generate vs model.generate (1 rank on one
+#               GPU, every GPU when there are several, 2 gloo ranks on CPU), left-padded batches,
+#               a window, softcap: tokens, logits, ms/token
 #   bench       benchmarks/bench_kernels.py: our backends and modes vs flash SDPA, fwd+bwd, S = 8K, 32K
 #               (flash_attn and ring_flash_attn rows when they import)
 #   train       train.py --from-scratch, 2 steps: plain, every memory option at once (fp32 and
 #               under bf16 autocast): final losses must agree
+#   exit_pN     (several GPUs; gloo in the dry run) a plain training loop and a plain HF Trainer
+#               script, which tear nothing down themselves, exit 0 with every rank's process
+#               group torn down (the library's exit teardown)
+#   timeout_pN  (several GPUs; gloo in the dry run) train.py with rank 1 stuck before a step:
+#               every rank ends, non-zero, within --dist-timeout and a margin (NCCL: its watchdog)
 #   peers       ring_flash_attn / yunchang: imported and run when installed, else why not
-#   two_gpu     one line per path one GPU cannot run (NCCL), with the command that runs it on two
+#   two_gpu     on one GPU, what it cannot run (NCCL) and the command that runs it on two
 #   compile     train.py --compile vs the eager run: final losses must agree (last: a cold
 #               Inductor compile is the least predictable cost)
 # The results file opens with the summary (PASS/FAIL per section) and the speed table.
@@ -50,22 +61,18 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
     --only) ONLY=${2:?--only needs section names, comma-separated}; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS, --only SECTIONS)" >&2; exit 2 ;;
   esac
   shift
 done
 SECTIONS="env toolchain kernels masks multirank modes softcap generate bench train peers two_gpu compile"
-for name in ${ONLY//,/ }; do
-  case " $SECTIONS " in *" ${name%%_p[0-9]*} "*) ;; *)
-    echo "gpu_check.sh: --only: unknown section '$name' (sections: ${SECTIONS// /, })" >&2; exit 2 ;;
-  esac
-done
+SEVERAL_GPU_SECTIONS="collectives exit timeout"  # (and modes_pN) only with several ranks
+# On several GPUs, the default: what one GPU could not run, within the default deadline (tests
+# hold it there).
+SEVERAL_GPUS_ONLY="env,toolchain,modes,collectives,generate,train,exit,timeout"
 case "$DEADLINE" in ''|*[!0-9]*) [ -z "$DEADLINE" ] || { echo "gpu_check.sh: --deadline takes whole seconds, got '$DEADLINE'" >&2; exit 2; } ;; esac
-DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 900 || echo 420)}  # the device tool allows 600 s per command
-mkdir -p "$OUT_DIR"
-RESULTS="$OUT_DIR/gpu_check.md"
-WORK=$(mktemp -d)
+DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 1200 || echo 420)}  # the device tool allows 600 s per command
 PY=${PYTHON:-$(command -v python || command -v python3)}
 if ! "$PY" -c "import torch, transformers" 2>/dev/null; then
   echo "gpu_check.sh: $PY cannot import torch and transformers; activate the environment (or set PYTHON=...)" >&2
@@ -85,6 +92,7 @@ if [ "$DRY_RUN" = 1 ]; then
   MULTIRANK_ARGS="--device cpu --dtypes fp32 --seq-len 256 --gloo-runs 1"  # modes_p2 runs every mode over gloo
   GENERATE_ARGS="--prompt-length 128 --new-tokens 8"
   GENERATE_RANKS=2
+  STUCK_TIMEOUT=15
 else
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$NGPU" = 0 ]; then
@@ -99,8 +107,25 @@ else
   MASK_ARGS="--device cuda --dtypes bf16 --seq-len 8192 --head-dim 128 --iters 3"
   MULTIRANK_ARGS="--device cuda --dtypes fp32,bf16 --seq-len 4096"
   GENERATE_ARGS="--prompt-length 4096 --new-tokens 24"
-  GENERATE_RANKS=1  # gloo's point-to-point takes no CUDA tensors, and NCCL wants a GPU per rank
+  # one GPU: 1 rank (gloo's point-to-point takes no CUDA tensors, and NCCL wants a GPU per rank)
+  GENERATE_RANKS=$NGPU
+  STUCK_TIMEOUT=30
+  if [ "$NGPU" -ge 2 ] && [ -z "$ONLY" ]; then
+    ONLY=$SEVERAL_GPUS_ONLY
+    echo "gpu_check.sh: $NGPU GPUs: running --only $ONLY (the paths one GPU cannot run); --only chooses others"
+  fi
 fi
+# --only: the names of sections that run here (a base name like modes covers modes_p1 and modes_pN)
+RUNNABLE="$SECTIONS modes_p1"
+[ "$MULTI" -lt 2 ] || RUNNABLE="$RUNNABLE $SEVERAL_GPU_SECTIONS modes_p$MULTI collectives_p$MULTI exit_p$MULTI timeout_p$MULTI"
+for name in ${ONLY//,/ }; do
+  case " $RUNNABLE " in *" $name "*) ;; *)
+    echo "gpu_check.sh: --only: no section '$name' runs here (sections: ${RUNNABLE// /, })" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT_DIR"
+RESULTS="$OUT_DIR/gpu_check.md"
+WORK=$(mktemp -d)
 
 FAILED=0
 SUMMARY=()
@@ -228,12 +253,52 @@ toolchain() {
 
 two_gpu_paths() {
   # What one GPU cannot run: NCCL refuses two ranks on one device.
-  if [ "$NGPU" -ge 2 ]; then echo "modes_p$NGPU ran every mode over NCCL"; return 0; fi
-  echo "not run on one GPU (NCCL needs a GPU per rank); each runs on a machine with 2 GPUs:"
-  echo "  every mode exact over NCCL (collectives, batched P2P): bash scripts/gpu_check.sh (section modes_p2)"
-  echo "  the same by hand: torchrun --standalone --nproc_per_node 2 -m tools.check_exactness --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn"
-  echo "  generate over NCCL: torchrun --standalone --nproc_per_node 2 -m tools.check_generate"
-  echo "  train.py over NCCL: torchrun --standalone --nproc_per_node 2 train.py --from-scratch --max-train-steps 2"
+  if [ "$MULTI" -ge 2 ]; then
+    echo "ran on $MULTI ranks ($([ "$NGPU" -ge 2 ] && echo NCCL || echo 'gloo, dry run')): modes_p$MULTI, collectives_p$MULTI, generate, train, exit_p$MULTI, timeout_p$MULTI"
+    return 0
+  fi
+  echo "not run on one GPU (NCCL needs a GPU per rank); on a machine with 2 GPUs they all run, within the 420 s deadline, with:"
+  echo "  bash scripts/gpu_check.sh --only $SEVERAL_GPUS_ONLY"
+  echo "  modes_p2        every mode exact over NCCL: torchrun --standalone --nproc_per_node 2 -m tools.check_exactness --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn"
+  echo "  collectives_p2  the groups, every transfer, batched and one-way P2P: torchrun --standalone --nproc_per_node 2 -m tools.check_collectives"
+  echo "  generate        the sharded cache over NCCL: torchrun --standalone --nproc_per_node 2 -m tools.check_generate"
+  echo "  train           train.py over NCCL: torchrun --standalone --nproc_per_node 2 train.py --from-scratch --max-train-steps 2"
+  echo "  exit_p2         user scripts exit 0, their process groups torn down: torchrun --standalone --nproc_per_node 2 tests/user_scripts/plain_loop.py"
+  echo "  timeout_p2      a stuck rank ends every rank within --dist-timeout (the NCCL watchdog)"
+}
+
+exit_clean() {  # exit_clean NPROC: user scripts that tear nothing down exit 0, every rank's group down
+  local script reports rc ranks still_up failed=0
+  for script in plain_loop plain_trainer; do
+    reports="$WORK/exit_$script"
+    mkdir -p "$reports"
+    # sitecustomize: an exit hook that runs after every other one writes whether the group is up
+    EXIT_REPORT_DIR="$reports" PYTHONPATH="$REPO/tests/user_scripts/exit_report:$PYTHONPATH" \
+      "$PY" -m torch.distributed.run --standalone --nproc_per_node "$1" "tests/user_scripts/$script.py" \
+      > "$reports.log" 2>&1
+    rc=$?
+    ranks=$(find "$reports" -name 'rank*' | wc -l)
+    still_up=$(grep -L "process group up: False" "$reports"/rank* 2>/dev/null | wc -l)
+    if [ "$rc" = 0 ] && [ "$ranks" = "$1" ] && [ "$still_up" = 0 ]; then
+      echo "$script: exit 0, the process group torn down on all $1 ranks"
+    else
+      echo "$script: exit $rc, $ranks of $1 ranks reported, $still_up with the process group still up"
+      tail -n 30 "$reports.log"
+      failed=1
+    fi
+  done
+  return $failed
+}
+
+stuck_rank() {  # stuck_rank: rank 1 sleeps before step 2's forward; every rank must end in time
+  local start=$SECONDS rc took
+  EASY_CONTEXT_FAULT="hang@2:1:$((STUCK_TIMEOUT + 600))" train_variant stuck no --dist-timeout "$STUCK_TIMEOUT" \
+    > "$WORK/stuck.log" 2>&1
+  rc=$?
+  took=$((SECONDS - start))
+  tr '\r' '\n' < "$WORK/stuck.log" | grep -E "error:|exitcode|[Ww]atchdog|[Tt]imed out|timeout" | cut -c1-300 | head -n 20
+  echo "exit $rc after $took s, rank 1 stuck, --dist-timeout $STUCK_TIMEOUT s (bound: the timeout + 80 s)"
+  [ "$rc" != 0 ] && [ "$took" -le $((STUCK_TIMEOUT + 80)) ]  # under the section's limit: the lines above print
 }
 
 train_options() {
@@ -262,12 +327,12 @@ compile_train() {
   compare_losses plain compiled
 }
 
-train_variant() {  # train_variant NAME MIXED_PRECISION FLAGS...: 2 steps into $WORK/train_NAME
+train_variant() {  # train_variant NAME MIXED_PRECISION FLAGS...: 2 steps into $WORK/train_NAME; 1 if it fails
   local name=$1 precision=$2 nproc=$(( NGPU > 0 ? NGPU : 2 )); shift 2
   echo "-- $name: $* (mixed precision: $precision)"
   ACCELERATE_MIXED_PRECISION=$precision "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
     train.py --from-scratch --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none \
-    --output-dir "$WORK/train_$name" "$@" || echo "-- $name: train.py failed"
+    --output-dir "$WORK/train_$name" "$@" || { echo "-- $name: train.py failed"; return 1; }
 }
 
 compare_losses() {  # compare_losses BASE NAME...: each final loss vs BASE's; a table
@@ -322,8 +387,9 @@ print(f"yunchang LongContextAttention P=1 vs SDPA: max err {(out - ref).abs().ma
 EOF
 }
 
-export -f env_report toolchain modes_exact softcap_exact train_options compile_train train_variant compare_losses peers two_gpu_paths
-export PY WORK NGPU EXACT_ARGS TRAIN_LEN
+export -f env_report toolchain modes_exact softcap_exact train_options compile_train train_variant compare_losses peers \
+  two_gpu_paths exit_clean stuck_rank
+export PY WORK NGPU MULTI REPO EXACT_ARGS TRAIN_LEN STUCK_TIMEOUT SEVERAL_GPUS_ONLY
 # limit SECONDS_GPU SECONDS_DRY_RUN: a section's limit. The GPU column adds up to the 420 s
 # default deadline (the device allows 600 s per command, start-up and transfers included);
 # the dry-run column is sized from CPU runs (docs/benchmarks.md has the budget table).
@@ -335,11 +401,19 @@ section masks "$(limit 35 60)" "$PY" -m tools.check_gpu_paths masks $MASK_ARGS
 section multirank "$(limit 40 90)" "$PY" -m tools.check_gpu_paths multirank $MULTIRANK_ARGS
 section modes_p1 "$(limit 25 60)" modes_exact 1
 section softcap "$(limit 45 60)" softcap_exact
-if [ "$MULTI" -ge 2 ]; then section "modes_p$MULTI" "$(limit 60 60)" modes_exact "$MULTI"; fi
+if [ "$MULTI" -ge 2 ]; then
+  section "modes_p$MULTI" "$(limit 60 60)" modes_exact "$MULTI"
+  section "collectives_p$MULTI" "$(limit 30 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$MULTI" \
+    -m tools.check_collectives
+fi
 section generate "$(limit 30 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$GENERATE_RANKS" \
   -m tools.check_generate $GENERATE_ARGS
 section bench "$(limit 40 60)" "$PY" -m benchmarks.bench_kernels $BENCH_ARGS
 section train "$(limit 40 120)" train_options
+if [ "$MULTI" -ge 2 ]; then
+  section "exit_p$MULTI" "$(limit 60 120)" exit_clean "$MULTI"
+  section "timeout_p$MULTI" "$(limit 120 120)" stuck_rank
+fi
 section peers "$(limit 3 10)" peers
 section two_gpu "$(limit 2 5)" two_gpu_paths
 section compile "$(limit 70 120)" compile_train  # last: the least predictable (Inductor, cold)

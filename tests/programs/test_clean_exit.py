@@ -20,31 +20,18 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 RUNS = 3
-# Runs last among the worker's exit hooks (registered first): the teardown has run by then. Each
-# rank writes its report to a file of its own: the ranks share one stderr pipe, where two
-# reports written at the same moment interleave on one line.
-EXIT_REPORT = """
-import atexit, os, sys
-
-def _report():
-    dist = sys.modules.get("torch.distributed")
-    up = bool(dist is not None and dist.is_available() and dist.is_initialized())
-    with open(os.path.join(os.environ["EXIT_REPORT_DIR"], "rank" + os.environ["RANK"]), "w") as report:
-        report.write(f"process group up: {up}")
-
-if "RANK" in os.environ:  # torchrun's workers, not torchrun itself
-    atexit.register(_report)
-"""
+# tests/user_scripts/exit_report/sitecustomize.py: each worker's exit hook that runs last writes
+# whether its process group is still up.
+EXIT_REPORT = SCRIPTS / "exit_report"
 
 
-def _torchrun(script: Path, port_dir: Path, reports: Path) -> subprocess.CompletedProcess:
+def _torchrun(script: Path, cwd: Path, reports: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    (port_dir / "sitecustomize.py").write_text(EXIT_REPORT)
-    path = os.pathsep.join(p for p in (str(port_dir), os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(EXIT_REPORT), os.environ.get("PYTHONPATH")) if p)
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path, EXIT_REPORT_DIR=str(reports)
     )
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=port_dir)
+    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=cwd)
 
 
 def _why(stderr: str) -> str:

@@ -85,7 +85,7 @@ def test_bench_kernels_rows(tmp_path):
     assert rows["flash_attn"].get("ms") or rows["flash_attn"]["error"].startswith("not installed")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1260)
 def test_gpu_check_dry_run(tmp_path):
     """Every section passes on CPU (peers: skipped, not installed); one results file."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
@@ -95,7 +95,7 @@ def test_gpu_check_dry_run(tmp_path):
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=880,
+        timeout=1240,
         env=env,
     )
     results = (tmp_path / "gpu_check.md").read_text()
@@ -117,18 +117,23 @@ def test_gpu_check_dry_run(tmp_path):
     # the sections' own tables made it into the file
     assert "kernel backends vs fp64 on cpu" in results and "| all_bf16 |" in results
     assert results.count("ok") >= 8 and " NO" not in results.split("## bench")[0]
+    # the several-GPU sections, over gloo here: every transfer exact, clean exits, a stuck rank bounded
+    assert "| ulysses | all_to_all |" in results and "| ring | one_way_p2p |" in results and "| False |" not in results
+    assert results.count("the process group torn down on all 2 ranks") == 2
+    assert "rank 1 stuck, --dist-timeout 15 s" in results
 
 
 SECTIONS = (
-    "env", "toolchain", "kernels", "masks", "multirank", "modes_p1", "softcap", "modes_p2", "generate", "bench",
-    "train", "two_gpu", "compile",
+    "env", "toolchain", "kernels", "masks", "multirank", "modes_p1", "softcap", "modes_p2", "collectives_p2",
+    "generate", "bench", "train", "exit_p2", "timeout_p2", "two_gpu", "compile",
 )  # fmt: skip
 
 
 def test_gpu_check_budget_fits_its_deadlines():
     """Every section has a limit on a GPU and in the dry run, and each column adds up to at most
     its default deadline (420 s on one H200: the device allows 600 s per command, start-up
-    included; 900 s on CPU), so no section is cut short by the ones before it."""
+    included; 1200 s on CPU), so no section is cut short by the ones before it. On several GPUs,
+    the sections the two_gpu line names for `--only` fit the same 420 s."""
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     limits = [
         (name, int(gpu), int(dry))
@@ -137,9 +142,12 @@ def test_gpu_check_budget_fits_its_deadlines():
     assert {name.replace("$MULTI", "2") for name, _, _ in limits} == {*SECTIONS, "peers"}, limits
     deadlines = re.search(r'DEADLINE=\$\{DEADLINE:-\$\(\[ "\$DRY_RUN" = 1 \] && echo (\d+) \|\| echo (\d+)\)\}', script)
     dry_deadline, gpu_deadline = int(deadlines[1]), int(deadlines[2])
-    one_gpu = [gpu for name, gpu, _ in limits if name != "modes_p$MULTI"]  # modes_pN: several GPUs only
+    one_gpu = [gpu for name, gpu, _ in limits if "$MULTI" not in name]  # _pN: several GPUs only
     assert gpu_deadline == 420 and sum(one_gpu) <= gpu_deadline, limits
     assert sum(dry for _, _, dry in limits) <= dry_deadline, limits
+    several = re.search(r'SEVERAL_GPUS_ONLY="([\w,]+)"', script)[1].split(",")  # the default on several GPUs
+    chosen = [gpu for name, gpu, _ in limits if name.replace("_p$MULTI", "").replace("_p1", "") in several]
+    assert {"modes", "collectives", "exit", "timeout"} <= set(several) and sum(chosen) <= gpu_deadline, chosen
 
 
 def test_gpu_check_refuses_bad_arguments(tmp_path):
@@ -147,11 +155,16 @@ def test_gpu_check_refuses_bad_arguments(tmp_path):
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--frobnicate"], capture_output=True, text=True, timeout=30
     )
     assert run.returncode == 2 and "unknown argument '--frobnicate'" in run.stderr
-    run = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--only", "kernels,frob"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert run.returncode == 2 and "--only: unknown section 'frob'" in run.stderr
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["PYTHON"] = sys.executable
+    # the dry run has 2 ranks: a section of 4 runs nothing, so it is refused like an unknown one
+    for only, name in (("kernels,frob", "frob"), ("modes,timeout_p4", "timeout_p4")):
+        run = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--only", only, "--out", str(tmp_path)],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert run.returncode == 2 and f"--only: no section '{name}' runs here" in run.stderr, run.stderr
+        assert "timeout_p2" in run.stderr and not any(tmp_path.iterdir())  # the list; nothing written
 
 
 @pytest.mark.timeout(180)
