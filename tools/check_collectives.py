@@ -148,9 +148,10 @@ def main(argv=None) -> int:
             ms = _median_ms(run, args.iters, device)
             verdict = torch.tensor([int(exact)], device=device)
             dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # every group has run: all ranks are here
-            ok &= bool(verdict.item())
+            exact_everywhere = bool(verdict.item())
+            ok &= exact_everywhere
             ranks = dist.get_process_group_ranks(group)
-            rows.append(f"| {name} | {op} | {ranks} | {numel * 4 / 2**20:.0f} | {ms:.2f} | {bool(verdict.item())} |")
+            rows.append(f"| {name} | {op} | {ranks} | {numel * 4 / 2**20:.0f} | {ms:.2f} | {exact_everywhere} |")
     if rank == 0:
         print(f"{world} ranks, {dist.get_backend()}, {device}; the worst rank decides 'exact'")
         print("| topology | transfer | group (rank 0's) | MiB per rank | ms (median) | exact on every rank |")

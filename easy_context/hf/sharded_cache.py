@@ -225,7 +225,8 @@ class ShardedKVCache(Cache):
         if (kept, device) not in self._kept:  # two patterns, kept or not: no host-to-device copy per step
             self._kept[kept, device] = torch.tensor(kept, dtype=torch.long, device=device)
         self._step_kept = self._kept[kept, device]
-        self.positions += [self.length + i for i in kept]
+        if kept:
+            self.positions.append(self.length)
         self.length += 1
 
     # -------------------------------------------------------- attention
