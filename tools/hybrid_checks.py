@@ -162,7 +162,8 @@ def run(model, rank: int, world_size: int, mode: str = "zigzag_ring_attn") -> di
         notes.append("packed rows are one document to its mixers (the model takes no position_ids)")
     remembering = with_long_memory(copy.deepcopy(model)).eval()
     try:
-        remembering.generate(*prompts(1, 5), max_new_tokens=1)
+        ids, mask = prompts(1, 5)
+        remembering.generate(ids, attention_mask=mask, max_new_tokens=1)
     except Exception as error:  # noqa: BLE001 - transformers' own generate: nothing to match
         notes.append(f"one process's model.generate fails ({type(error).__name__}: {str(error)[:80]})")
         return {**results, "_notes": notes}

@@ -151,13 +151,14 @@ def _step(model, input_ids, position_ids, target_ids, group, attention_mask=None
     return logits.detach(), (stats[0] / stats[1]).item(), grads
 
 
-def tiny_model(model_type: str):
+def tiny_model(model_type: str, **overrides):
+    """The type's tiny model (tools/tiny_configs.py), with config fields `overrides` set."""
     import torch
 
     from easy_context.hf.architectures import attn_implementation
     from tools.tiny_configs import tiny_config
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **overrides)
     cls = causal_lm_class(model_type)
     with torch.device("meta"):
         size = sum(p.numel() for p in cls(config).parameters())
@@ -244,8 +245,9 @@ def _refusal(error: BaseException) -> str | None:
     return str(error) if frames and f"{os.sep}easy_context{os.sep}" in frames[-1].filename else None
 
 
-def run_type(model_type: str, rank: int, world_size: int) -> dict:
-    """{mode: [logits, loss, grad errors] | {"refused": message} | {"error": message}}."""
+def run_type(model_type: str, rank: int, world_size: int, **overrides) -> dict:
+    """{mode: [logits, loss, grad errors] | {"refused": message} | {"error": message}}, for the
+    type's tiny model with config fields `overrides` set."""
     import copy
 
     from easy_context import (
@@ -260,7 +262,7 @@ def run_type(model_type: str, rank: int, world_size: int) -> dict:
 
     input_ids, target_ids = _batch()
     try:  # on every rank, so that every rank stops here alike when the model cannot run at all
-        model = tiny_model(model_type)
+        model = tiny_model(model_type, **overrides)
         want = _step(copy.deepcopy(model), input_ids, None, target_ids, None)
     except Exception as error:  # noqa: BLE001 - every failure is a result here
         return {"unpatched": {"error": f"{type(error).__name__}: {error}"}}

@@ -17,7 +17,15 @@ import torch
 
 from easy_context.hf.architectures import check_config_features
 
-__all__ = ["logit_options", "equal_head_dims", "check_call", "check_config", "check_mask_function", "mask_parts"]
+__all__ = [
+    "logit_options",
+    "equal_head_dims",
+    "check_call",
+    "check_config",
+    "check_mask_function",
+    "mask_parts",
+    "mask_window",
+]
 
 
 # Keywords a model's attention module passes its attention function by name are features of
@@ -121,9 +129,9 @@ def check_call(module, attention_mask, kwargs, sharded_mask_type) -> None:
 
 
 # The pieces of transformers' mask functions that describe what SequenceMask describes:
-# causality, padding, packed documents (position_ids) and sliding windows (which reach the
-# attention as its sliding_window argument). A mask built from anything else (bidirectional
-# image tokens, block overlays, chunks, a user's function) is refused, never replaced by ours.
+# causality, padding, packed documents (position_ids) and sliding windows (read from the mask
+# function itself: mask_window). A mask built from anything else (bidirectional image tokens,
+# block overlays, chunks, a user's function) is refused, never replaced by ours.
 _MASK_PARTS_WE_DESCRIBE = frozenset(
     f"transformers.masking_utils.{name}"
     for name in (
@@ -139,10 +147,10 @@ _MASK_PARTS_WE_DESCRIBE = frozenset(
 )
 
 
-def mask_parts(mask_function) -> set:
-    """module.function of every mask function composed into `mask_function` (and_masks and its
-    kind keep their parts in closure cells)."""
-    parts, pending, seen = set(), [mask_function], set()
+def _composed(mask_function):
+    """Every function composed into `mask_function`, itself first (and_masks and its kind keep
+    their parts in closure cells)."""
+    found, pending, seen = [], [mask_function], set()
     while pending:
         item = pending.pop()
         if id(item) in seen:  # a closure may hold itself (a recursive inner function)
@@ -151,13 +159,36 @@ def mask_parts(mask_function) -> set:
         if isinstance(item, (list, tuple)):
             pending.extend(item)
         elif callable(item) and hasattr(item, "__code__"):
-            parts.add(f"{item.__module__}.{item.__qualname__.split('.')[0]}")
+            found.append(item)
             for cell in item.__closure__ or ():
                 try:
                     pending.append(cell.cell_contents)
                 except ValueError:  # an empty cell
                     continue
-    return parts
+    return found
+
+
+def mask_parts(mask_function) -> set:
+    """module.function of every mask function composed into `mask_function`."""
+    return {f"{item.__module__}.{item.__qualname__.split('.')[0]}" for item in _composed(mask_function)}
+
+
+_WINDOW_OVERLAY = "sliding_window_overlay"  # masking_utils: key allowed where kv_idx > q_idx - sliding_window
+
+
+def mask_window(mask_function) -> int | None:
+    """The sliding window the model's own mask applies (None: none), read from the window
+    overlay transformers composed into the mask function of the layer. This, not the attention
+    call's sliding_window argument, is what the unpatched model attends with: PhiMoE windows in
+    its mask and passes no argument; OLMoE passes the config's window and masks without it."""
+    windows = set()
+    for item in _composed(mask_function) if mask_function is not None else ():
+        if item.__module__ == "transformers.masking_utils" and item.__qualname__.split(".")[0] == _WINDOW_OVERLAY:
+            cells = dict(zip(item.__code__.co_freevars, item.__closure__ or ()))
+            windows.add(int(cells["sliding_window"].cell_contents))
+    if len(windows) > 1:
+        raise ValueError(f"the model's mask applies several sliding windows at once ({sorted(windows)})")
+    return windows.pop() if windows else None
 
 
 def check_mask_function(mask_function) -> None:

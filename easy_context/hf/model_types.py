@@ -156,6 +156,11 @@ SUPPORTED = {
     "youtu": ("MLA",),
     "zamba2": ("Mamba-2 layers",),
 }
+
+# Supported types whose model hands its attention layers no position_ids (Granite 4.0-H passes
+# them to neither its masks nor its layers): the patch reads them where the model's forward
+# receives them (hf/forward_positions.py).
+POSITIONS_AT_FORWARD = frozenset({"granitemoehybrid"})
 # model_type -> why it is refused
 REFUSED = {
     "axk2": f"{NOT_IMPLEMENTED}: {_DSA}",

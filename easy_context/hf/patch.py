@@ -18,6 +18,12 @@ window. Every rank derives it from the same gathered data, so every check on it 
 on all ranks alike and no rank is left waiting in a collective. The same first call
 checks now and then that the SP group's weights are still identical (replicas.py).
 
+A layer's window is the one the model's own mask applies (read from the mask function
+transformers composed for it), never the attention call's sliding_window argument: the two
+disagree in released models (PhiMoE windows in its mask only, OLMoE passes a window its mask
+does not apply), and the mask is what the unpatched model attends with. check_masks.py
+compares the two rules for every layer of a model before it runs.
+
 Under torch.compile the dispatcher calls the mode through one custom operator (compiled.py).
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import torch
 from transformers import AttentionInterface
@@ -34,10 +41,10 @@ from easy_context.core.global_mask import gather_sequence_mask
 from easy_context.core.groups import SeqParallelGroups
 from easy_context.core.layout import Layout
 from easy_context.core.masking import SequenceMask
-from easy_context.hf import admission, compiled, mixers, rope
+from easy_context.hf import admission, compiled, forward_positions, mixers, rope
 from easy_context.hf.replicas import check_replicas
 
-__all__ = ["SUPPORTED_IMPLEMENTATIONS", "ShardedMask", "install", "uninstall", "active"]
+__all__ = ["SUPPORTED_IMPLEMENTATIONS", "ShardedMask", "install", "uninstall", "active", "layer_window"]
 
 # Implementations a patched model may use (each becomes sequence parallel). Every other name
 # in the registries is dispatched too, so a patched model on, say, flex_attention is refused
@@ -63,10 +70,12 @@ def _is_patched(config) -> bool:
 # ------------------------------------------------------------------------ masks
 class ShardedMask:
     """What the mask dispatcher hands the attention for one forward: the local 2D padding
-    mask (or None), resolved into a SequenceMask over the whole sequence at first use."""
+    mask (or None), resolved into a SequenceMask over the whole sequence at first use, and the
+    sliding window the model's mask applies to the layers it is built for (None: none)."""
 
-    def __init__(self, padding: torch.Tensor | None):
+    def __init__(self, padding: torch.Tensor | None, window: int | None = None):
         self.padding = padding
+        self.window = window
         self._resolved: SequenceMask | None = None
         self._started = False
 
@@ -93,7 +102,7 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
     if cache is None and torch.compiler.is_compiling():
         attend = _compiled_attention(module, query, key, attention_mask, kwargs)
     elif cache is not None:
-        window = kwargs.get("sliding_window")
+        window = layer_window(module, attention_mask, kwargs)
         layer_idx = module.layer_idx
         if layer_idx is None or layer_idx < 0:  # a block shared by several layers (Zamba2): the index its update used
             layer_idx = cache.updated_layer
@@ -125,6 +134,43 @@ def _sequence_parallel_attention(module, query, key, value, attention_mask, **kw
     return out.transpose(1, 2), None  # HF expects (B, S, H, D) and no attention weights
 
 
+def layer_window(module, attention_mask, kwargs) -> int | None:
+    """The sliding window a layer attends with: the one its mask from the model applies (see the
+    module docstring). Only where the model built no mask for the call is it the argument."""
+    argument = kwargs.get("sliding_window")
+    if not isinstance(attention_mask, ShardedMask):
+        return argument
+    if argument is not None and argument != attention_mask.window:
+        _tell_disagreement(type(module).__name__, attention_mask.window, argument)
+    return attention_mask.window
+
+
+_told: set = set()
+
+
+@torch.compiler.disable(reason="a warning, once per attention class")
+def _tell_disagreement(name: str, window, argument) -> None:
+    if (name, window, argument) in _told:
+        return
+    _told.add((name, window, argument))
+    warnings.warn(
+        f"{name} passes sliding_window={argument} to its attention but the model's own mask applies "
+        f"{'no window' if window is None else f'a window of {window}'}; the mask is what transformers' sdpa and "
+        "eager attention apply, so sequence parallelism attends with it (flash_attention_2 in one process would "
+        "apply the argument instead)",
+        stacklevel=3,
+    )
+
+
+def _positions(module, kwargs):
+    """The local position_ids of a layer's call: its argument, or where the model hands its
+    attention none (forward_positions.py), those its forward was given."""
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = forward_positions.latest(type(module).__module__)
+    return positions
+
+
 def _check_mode_call(query, key, kwargs):
     """What a forward of the active mode needs: no KV cache, and the token index exactly when
     the patch splits documents. Returns the token index (None without document_split)."""
@@ -152,8 +198,8 @@ def _mode_attention(module, query, key, attention_mask, kwargs):
     groups = context.groups()
     layout = context.mode.layout(groups.topology)
     sharded = attention_mask if attention_mask is not None else ShardedMask(None)
-    mask = sharded.resolve(module, kwargs.get("position_ids"), groups, layout, token_index).with_window(
-        kwargs.get("sliding_window")
+    mask = sharded.resolve(module, _positions(module, kwargs), groups, layout, token_index).with_window(
+        layer_window(module, attention_mask, kwargs)
     )
 
     def attend(q, k, v, scale, **options):
@@ -176,10 +222,10 @@ def _compiled_attention(module, query, key, attention_mask, kwargs):
             v,
             scale,
             options,
-            position_ids=kwargs.get("position_ids"),
+            position_ids=_positions(module, kwargs),
             padding=sharded.padding,
             token_index=token_index,
-            window=kwargs.get("sliding_window"),
+            window=layer_window(module, attention_mask, kwargs),
             first=first,
             layer=module,
         )
@@ -220,11 +266,13 @@ def _make_attention_dispatcher(name):
     return attention
 
 
-def _check_mask_call(mask_function, config) -> None:
-    """What a forward's mask builder shows us: the mask function transformers composed, and
-    the config (a model patched by its type's name is seen whole here first)."""
+def _check_mask_call(mask_function, config) -> int | None:
+    """What a forward's mask builder shows us: the mask function transformers composed (checked,
+    and its window returned), and the config (a model patched by its type's name is seen whole
+    here first)."""
     admission.check_mask_function(mask_function)
     admission.check_config(config)
+    return admission.mask_window(mask_function)
 
 
 # The check reads the closures of the mask function transformers composed for this forward,
@@ -242,9 +290,9 @@ def _make_mask_dispatcher(name, original):
         if name not in SUPPORTED_IMPLEMENTATIONS:
             _refuse_implementation(name)
         check = _check_mask_call_outside_graph if torch.compiler.is_compiling() else _check_mask_call
-        check(kwargs.get("mask_function"), kwargs.get("config"))
+        window = check(kwargs.get("mask_function"), kwargs.get("config"))
         # Resolved at the first attention call, where the position_ids are known.
-        return ShardedMask(kwargs.get("attention_mask"))
+        return ShardedMask(kwargs.get("attention_mask"), window)
 
     mask.__name__ = f"easy_context_{name}_mask"
     return mask
@@ -258,6 +306,7 @@ def install(context) -> None:
     compiled.register(active)
     rope.install(context.model_types, active)
     mixers.install(context.model_types, active)
+    forward_positions.install(context.model_types)
     if _saved:  # dispatchers already in place; they read `_installed` at call time
         return
     attention_map = AttentionInterface._global_mapping
@@ -275,6 +324,7 @@ def uninstall() -> None:
     _installed = None
     rope.uninstall()
     mixers.uninstall()
+    forward_positions.uninstall()
     for registry in (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping):
         for name in list(registry):
             original = _saved.pop((id(registry), name), None)

@@ -205,6 +205,8 @@ def test_a_mask_we_cannot_describe_is_refused_not_replaced():
                 config, embeds, padding, None, position_ids=position_ids
             )  # None: no cache (its keyword was renamed in 5.x)
             assert isinstance(mask, hf.ShardedMask)
+            # the window the layer attends with is the one the model's own mask applies
+            assert mask.window == (config.sliding_window if build is create_sliding_window_causal_mask else None)
         with pytest.raises(ValueError, match=r"attention mask with \[.*blockwise_overlay.*\(for example bidirectional"):
             create_causal_mask(
                 config,
@@ -217,3 +219,34 @@ def test_a_mask_we_cannot_describe_is_refused_not_replaced():
             )
     finally:
         remove_seq_parallel_monkey_patch()
+
+
+def test_a_layer_attends_with_the_window_of_its_mask_not_of_its_argument():
+    """PhiMoE windows in its mask and passes no argument; OLMoE passes the config's window and
+    masks without it. The unpatched sdpa/eager model applies the mask, so the patch does too, and
+    says once when the argument disagrees. Only where no mask was built is the argument used."""
+    import warnings
+
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_causal_mask_function
+
+    from easy_context.hf import admission, patch
+
+    assert admission.mask_window(None) is None
+    assert admission.mask_window(causal_mask_function) is None
+    assert admission.mask_window(sliding_window_causal_mask_function(7)) == 7
+    assert admission.mask_window(and_masks(sliding_window_causal_mask_function(7), causal_mask_function)) == 7
+    with pytest.raises(ValueError, match=r"several sliding windows at once \(\[5, 7\]\)"):
+        admission.mask_window(and_masks(sliding_window_causal_mask_function(7), sliding_window_causal_mask_function(5)))
+
+    class Attention(torch.nn.Module):
+        pass
+
+    module = Attention()
+    assert patch.layer_window(module, patch.ShardedMask(None, 40), {}) == 40  # PhiMoE
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        assert patch.layer_window(module, patch.ShardedMask(None, None), {"sliding_window": 40}) is None  # OLMoE
+        assert patch.layer_window(module, patch.ShardedMask(None, None), {"sliding_window": 40}) is None
+    assert len(told) == 1 and "passes sliding_window=40" in str(told[0].message), [str(w.message) for w in told]
+    assert patch.layer_window(module, patch.ShardedMask(None, 40), {"sliding_window": 40}) == 40
+    assert patch.layer_window(module, None, {"sliding_window": 40}) == 40  # no mask built for the call
