@@ -120,3 +120,117 @@ def test_a_chosen_depth_places_the_asked_needle(tokenizers):
     assert plain.input_ids != placed[0.0].input_ids
     with pytest.raises(ValueError, match="vt: depth=0.5 applies to the niah tasks only"):
         ruler.make_sample("vt", tokenizer, 1024, depth=0.5)
+
+
+# ------------------------------------------------- where the answers are: the inserted pieces, read back
+NEEDLE = re.compile(r"One of the special magic (?:numbers|UUIDs) for (\S+) is: (\S+)\. ")
+LINK = re.compile(r"VAR (\w+) = (VAR \w+|\d+)\. ")  # variable tracking's chain
+
+
+def _layout(sample, tokenizer, piece):
+    """The sample read back through its tokenizer: head and tail lengths (each its own text's tokens),
+    and each inserted piece as (position, tokens, the regex `piece`'s groups, the haystack tokens
+    before it); asserts every insert is whole (exactly the tokens of its text) and in the haystack."""
+    ids, specials = sample.input_ids, tokenizer("")["input_ids"]
+    text = tokenizer.decode(ids[len(specials) :])
+    head = specials + tokenizer(text.split("\n")[0] + "\n", add_special_tokens=False)["input_ids"]
+    tail = tokenizer("\n" + text.rsplit("\n", 1)[1], add_special_tokens=False)["input_ids"]
+    assert ids[: len(head)] == head and ids[-len(tail) :] == tail, sample.task
+    inserts = []
+    for position in sample.needle_positions:
+        match = piece.match(tokenizer.decode(ids[position : position + 160]))
+        assert match, (sample.task, position, tokenizer.decode(ids[position : position + 60]))
+        tokens = tokenizer(match.group(0), add_special_tokens=False)["input_ids"]
+        assert ids[position : position + len(tokens)] == tokens, (sample.task, position, match.group(0))
+        assert len(head) <= position and position + len(tokens) <= len(ids) - len(tail), (sample.task, position)
+        inserts.append((position, len(tokens), match.groups()))
+    inside = {i for p, n, _ in inserts for i in range(p, p + n)}
+    haystack = [t for i, t in enumerate(ids[len(head) : len(ids) - len(tail)], len(head)) if i not in inside]
+    before = lambda p: p - len(head) - sum(n for q, n, _ in inserts if q < p)  # haystack tokens before p
+    return text, haystack, [(p, n, groups, before(p)) for p, n, groups in inserts]
+
+
+def _asked_needles(sample, tokenizer):
+    """A needle task's inserts, checked: one needle per (key, value), as many as the task's spec
+    says; the asked keys' needles (keys read from the question) hold exactly the expected values,
+    and no other needle anywhere in the prompt names an asked key or holds an expected value.
+    (haystack tokens, asked inserts, other inserts, asked keys)."""
+    spec = ruler.TASKS[sample.task]
+    text, haystack, inserts = _layout(sample, tokenizer, NEEDLE)
+    asked = re.split(r", | and ", re.search(r"for (\S.*?) in the text above\?", text.rsplit("\n", 1)[1]).group(1))
+    assert len(asked) == spec.queries and len(set(asked)) == len(asked), (sample.task, asked)
+    assert len(inserts) == (spec.queries + spec.distractors) * spec.values_per_key, (sample.task, len(inserts))
+    expected = collections.Counter(
+        (key, value)
+        for i, key in enumerate(asked)
+        for value in sample.outputs[i * spec.values_per_key : (i + 1) * spec.values_per_key]
+    )
+    assert len(sample.outputs) == spec.queries * spec.values_per_key, (sample.task, sample.outputs)
+    mine = [insert for insert in inserts if insert[2][0] in asked]
+    others = [insert for insert in inserts if insert[2][0] not in asked]
+    assert collections.Counter(groups for _, _, groups, _ in mine) == expected, (sample.task, mine, sample.outputs)
+    values = set(sample.outputs)
+    everywhere = collections.Counter(pair for pair in NEEDLE.findall(text) if pair[0] in asked or pair[1] in values)
+    assert everywhere == expected, (sample.task, everywhere, expected)  # the haystack repeats no asked key
+    assert not {value for _, _, (_, value), _ in others} & values, (sample.task, others)
+    return haystack, mine, others, asked
+
+
+def test_each_answer_is_inserted_whole_in_the_needle_that_answers_the_question(tokenizers):
+    """Every task: its expected answers are in the prompt, each in the inserted piece that makes it
+    the answer (the asked key's needle, the chain's link), never a distractor's; the list tasks
+    (cwe, fwe) insert nothing and hold their answers in the list."""
+    for kind, tokenizer in tokenizers.items():
+        for task, spec in ruler.TASKS.items():
+            for seed in (0, 5):
+                sample = ruler.make_sample(task, tokenizer, LENGTHS[kind][0], seed=seed, index=2)
+                if spec.family == "niah":
+                    _asked_needles(sample, tokenizer)
+                elif spec.family == "vt":  # names[0] = value, names[i + 1] = names[i], inserted in chain order
+                    text, _, inserts = _layout(sample, tokenizer, LINK)
+                    value = re.search(r"assigned the value (\d+) in the text above", text).group(1)
+                    links = [groups for _, _, groups, _ in inserts]
+                    chain = [(sample.outputs[0], value)] + [
+                        (name, f"VAR {previous}") for previous, name in zip(sample.outputs, sample.outputs[1:])
+                    ]
+                    assert links == chain and sample.needle_positions == sorted(sample.needle_positions), (task, links)
+                    assert LINK.findall(text) == chain, (task, LINK.findall(text))  # no other assignment
+                else:
+                    assert spec.family in ("cwe", "fwe") and sample.needle_positions == [], (task, spec.family)
+                    body = tokenizer.decode(sample.input_ids).split("\n")[1:-1]  # between the head and the question
+                    listed = collections.Counter(re.sub(r"^\d+\. ", "", line) for line in body)
+                    if spec.family == "fwe":
+                        listed = collections.Counter(" ".join(body).split())
+                    assert all(listed[answer] > 1 for answer in sample.outputs), (task, sample.outputs, listed)
+                    with pytest.raises(ValueError, match=f"{task}: depth=0.5 applies to the niah tasks only"):
+                        ruler.make_sample(task, tokenizer, LENGTHS[kind][0], depth=0.5)
+
+
+def test_a_chosen_depth_puts_the_asked_needles_at_the_nearest_sentence_start(tokenizers):
+    """make_sample's rule, for every needle task: the asked needles (all of them, together) start at
+    the haystack's sentence start nearest depth x its haystack tokens; the haystack and the other
+    needles stay where they were. Swept over 21 depths: each depth's insert is no farther from its
+    target than any sentence start seen in the sweep (every insert starts a sentence), 0 is the
+    haystack's first token, and the needles move only forward as the depth grows."""
+    depths = [i / 20 for i in range(21)]
+    for kind, tokenizer in tokenizers.items():
+        for task, spec in ruler.TASKS.items():
+            if spec.family != "niah":
+                continue
+            for seed in (0, 1):
+                placed, starts = [], set()
+                for depth in depths:
+                    sample = ruler.make_sample(task, tokenizer, LENGTHS[kind][0], seed=seed, index=0, depth=depth)
+                    haystack, mine, others, _ = _asked_needles(sample, tokenizer)
+                    at = {before for _, _, _, before in mine}
+                    assert len(at) == 1, (kind, task, depth, mine)  # the asked needles go in together
+                    placed.append((depth, at.pop(), haystack, [(groups, b) for _, _, groups, b in others]))
+                    starts.update(before for _, _, _, before in mine + others)
+                _, first, haystack, distractors = placed[0]
+                assert first == 0, (kind, task, seed, first)
+                for depth, before, same_haystack, same_distractors in placed:
+                    assert same_haystack == haystack and same_distractors == distractors, (kind, task, depth)
+                    target = depth * len(haystack)
+                    nearer = [s for s in starts if abs(s - target) < abs(before - target)]
+                    assert not nearer, (kind, task, seed, depth, before, target, sorted(starts))
+                assert [b for _, b, _, _ in placed] == sorted(b for _, b, _, _ in placed), (kind, task, seed)

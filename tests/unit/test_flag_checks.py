@@ -1,0 +1,110 @@
+"""train.py's flag checks (programs/training/flags.py): at_least, optional_at_least and needs, each
+at its edges, and every declared flag that uses one of them wired into train.py's parser. The
+wired flags are read from the declarations themselves (the factory that made each check, and its
+bound or the flag it needs), so a check declared later is covered without touching this file.
+One process, no script: train.parse_args is called directly."""
+
+import argparse
+import inspect
+import sys
+
+import pytest
+
+import train
+from easy_context.programs.training import flags
+
+FACTORIES = ("at_least", "optional_at_least", "needs")
+
+
+def _checked_flags():
+    """(declaration, factory name, the factory's arguments) of each flag whose check one of FACTORIES made."""
+    found = []
+    for group in flags.GROUPS:
+        for declared in group.flags:
+            factory = getattr(declared.check, "__qualname__", "").split(".<locals>")[0]
+            if factory in FACTORIES:
+                found.append((declared, factory, inspect.getclosurevars(declared.check).nonlocals))
+    return found
+
+
+CHECKED = _checked_flags()
+
+
+# ------------------------------------------------------------------------------- the factories
+@pytest.mark.parametrize("bound", [0, 1, 7])
+def test_at_least_accepts_the_bound_and_refuses_one_below_naming_flag_and_value(bound):
+    check = flags.at_least(bound)
+    for value in (bound, bound + 1, bound + 1000):
+        assert check("--some-flag", value, argparse.Namespace()) is None, (bound, value)
+    for value in (bound - 1, bound - 5):
+        assert check("--some-flag", value, argparse.Namespace()) == f"--some-flag must be >= {bound}, got {value}"
+
+
+def test_optional_at_least_accepts_none_and_checks_any_value():
+    check = flags.optional_at_least(3)
+    assert check("--some-flag", None, argparse.Namespace()) is None
+    assert check("--some-flag", 3, argparse.Namespace()) is None
+    assert check("--some-flag", 2, argparse.Namespace()) == "--some-flag must be >= 3, got 2"
+    assert check("--some-flag", 0, argparse.Namespace()) == "--some-flag must be >= 3, got 0"
+
+
+def test_needs_refuses_the_flag_without_the_other_and_accepts_it_with():
+    plain, why = flags.needs("--other-flag"), flags.needs("--other-flag", " (it says why)")
+    for unset in (False, None):  # a switch left off; a valued flag left at its default
+        without = argparse.Namespace(other_flag=unset)
+        for value in (True, "cut"):  # a switch given; a flag with a value (--balance-documents' const)
+            assert plain("--flag", value, without) == "--flag needs --other-flag", (unset, value)
+            assert why("--flag", value, without) == "--flag needs --other-flag (it says why)", (unset, value)
+        for value in (False, None):  # the flag itself not given: nothing to refuse
+            assert plain("--flag", value, without) is None, (unset, value)
+    for given in (True, "data.jsonl"):
+        assert plain("--flag", True, argparse.Namespace(other_flag=given)) is None, given
+        assert why("--flag", "cut", argparse.Namespace(other_flag=given)) is None, given
+
+
+# ------------------------------------------------------------------- wired into train.py's parser
+def _argv(name: str) -> list[str]:
+    """The flag given, on train.py's command line: a switch bare, else with a value."""
+    action = next(a for a in flags.parser("")._actions if name in a.option_strings)
+    if action.nargs in (0, "?"):
+        return [name]
+    value = action.choices[0] if action.choices else "1" if action.type in (int, float) else "x"
+    return [f"{name}={value}"]
+
+
+def _error(argv, capsys) -> str | None:
+    """train.py's refusal of argv: its one `train.py: error:` line (exit 2), or None if it parses."""
+    try:
+        train.parse_args(argv)
+    except SystemExit as refused:
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert refused.code == 2 and lines, (argv, refused.code, lines)
+        assert [line for line in lines if "error:" in line] == lines[-1:], (argv, lines)  # one line, the last
+        assert lines[-1].startswith("train.py: error: "), (argv, lines)
+        return lines[-1]
+    return None
+
+
+def test_the_declarations_use_every_factory_and_the_defaults_pass():
+    assert {factory for _, factory, _ in CHECKED} == set(FACTORIES), CHECKED
+    assert train.parse_args([]).seq_length == 2048  # nothing given: every check passes
+
+
+@pytest.mark.parametrize("declared, factory, arguments", CHECKED, ids=[declared.name for declared, _, _ in CHECKED])
+def test_each_declared_check_refuses_its_flag_in_train_py(declared, factory, arguments, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # argparse names the program from it
+    name = declared.name
+    if factory == "needs":
+        assert "other" in arguments, f"{name}: its needs(...) check no longer holds the flag it needs"
+        other = arguments["other"]
+        error = _error(_argv(name), capsys)
+        assert error is not None and f"{name} needs {other}" in error, (name, other, error)
+        error = _error(_argv(name) + _argv(other), capsys)
+        assert error is None or f"{name} needs" not in error, (name, other, error)
+    else:
+        assert "bound" in arguments, f"{name}: its {factory}(...) check no longer holds its bound"
+        bound = arguments["bound"]
+        error = _error([f"{name}={bound - 1}"], capsys)
+        assert error is not None and f"{name} must be >= {bound}, got {bound - 1}" in error, (name, bound, error)
+        error = _error([f"{name}={bound}"], capsys)
+        assert error is None or f"{name} must be" not in error, (name, bound, error)
