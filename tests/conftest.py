@@ -99,11 +99,13 @@ SLOW = {
     "test_lora": ALL,
     "test_lora_scripts": ALL,
     "test_masked_models": ALL,
+    "test_model_masks": ALL,
     "test_mixed_precision": ALL,
     "test_model_types_scripts": ALL,
     "test_models": ALL,
     "test_model_sweep": {
         "test_the_sweep_proves_the_record",
+        "test_released_configs_are_exact_or_refused_by_name",
     },
     "test_plan": {
         "test_bad_input_messages",
@@ -189,6 +191,7 @@ NUMERIC = {
     "test_many_nodes",
     "test_masked_models",
     "test_mixed_precision",
+    "test_model_masks",
     "test_model_sweep",
     "test_model_types_scripts",
     "test_models",

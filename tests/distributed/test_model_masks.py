@@ -39,7 +39,6 @@ def worker(rank, world_size):
     return {name: sweep_models.run_type(t, rank, world_size, **overrides) for name, (t, overrides) in CASES.items()}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_configs_where_the_mask_and_the_argument_disagree_are_exact():
     results = run_ranks(worker, 2, timeout=560)[0]

@@ -87,3 +87,18 @@ def test_the_docs_sweep_table_agrees_with_the_record():
     assert set(rows) == set(model_types.SUPPORTED) | set(model_types.REFUSED)
     stale = [t for t, cls in rows.items() if (cls == "exact") != (t in model_types.SUPPORTED)]
     assert not stale, f"docs/model_types.md's sweep table is stale for {stale}: paste python -m tools.sweep_models"
+
+
+@pytest.mark.timeout(900)
+def test_released_configs_are_exact_or_refused_by_name():
+    """Every released config of tests/data/released_configs/ (shrunk, features kept:
+    tools/released_configs.py) is exact in each mode family at 2 ranks, or refused with the
+    record's reason; none fails."""
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.released_configs"], cwd=ROOT, capture_output=True, text=True, timeout=840
+    )
+    rows = [line.split("|")[1:4] for line in run.stdout.splitlines() if line.startswith("| ")][1:]
+    classes = {name.strip(): cls.strip() for name, _, cls in rows}
+    assert run.returncode == 0 and "failing" not in classes.values(), (run.stdout + run.stderr)[-6000:]
+    assert len(classes) == len(list((ROOT / "tests" / "data" / "released_configs").glob("*.json"))) >= 46
+    assert sum(cls == "exact" for cls in classes.values()) >= 44, classes

@@ -1,0 +1,147 @@
+"""Released checkpoints' configs (tests/data/released_configs/, SOURCES.md says where each came
+from), shrunk for the model sweep with their feature fields as released.
+
+    python -m tools.released_configs            # each config: exact, refused (by name) or failing
+
+Shrunk: widths, heads, vocabulary, experts (tools/tiny_configs.py's rules), and depth to the
+shortest prefix of the layer pattern that holds every layer kind. Kept: every other field as
+released (norms, biases, softcaps, sinks, MoE routing, rope type and factors), with the lengths
+scaled to the sweep's sequence: a sliding window becomes tiny_configs.WINDOW and the rope's
+original context 64 tokens, so the sweep's 128 tokens cross both.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "tests" / "data" / "released_configs"
+ORIGINAL_CONTEXT = 64  # shorter than sweep_models.SEQ
+_NOT_FIELDS = {"architectures", "transformers_version", "torch_dtype", "dtype", "auto_map", "quantization_config"}
+
+
+def names() -> list[str]:
+    return sorted(path.stem for path in CONFIGS.glob("*.json"))
+
+
+def _shrunk_rope(parameters: dict, head_dim: int) -> dict:
+    parameters = dict(parameters)
+    if "original_max_position_embeddings" in parameters:
+        parameters["original_max_position_embeddings"] = ORIGINAL_CONTEXT
+    if isinstance(parameters.get("mrope_section"), list):  # sections of the rotary frequencies, summed
+        half = int(head_dim * parameters.get("partial_rotary_factor", 1.0)) // 2
+        sections = [half // len(parameters["mrope_section"])] * len(parameters["mrope_section"])
+        sections[0] += half - sum(sections)
+        parameters["mrope_section"] = sections
+    for key in ("short_factor", "long_factor"):  # longrope: one factor per rotary frequency
+        if isinstance(parameters.get(key), list):
+            parameters[key] = parameters[key][: head_dim // 2]
+    return parameters
+
+
+def shrunk(name: str) -> tuple[str, dict]:
+    """(model type, config fields) of a released config, shrunk (see the module docstring)."""
+    from tools.tiny_configs import _MLA, SIZES, WINDOW, _shrink_by_name
+
+    released = json.loads((CONFIGS / f"{name}.json").read_text())
+    released = released.get("text_config", released)  # a multimodal checkpoint: its decoder's config
+    model_type = released["model_type"]
+    fields = {k: v for k, v in released.items() if not k.startswith("_") and k not in _NOT_FIELDS | {"model_type"}}
+    fields = {k: (SIZES[k] if k in SIZES else _shrink_by_name(k, v)) for k, v in fields.items()}
+    if fields.get("num_key_value_heads") is not None and released.get("num_key_value_heads"):
+        # MHA stays MHA
+        heads = released.get("num_attention_heads")
+        fields["num_key_value_heads"] = SIZES["num_attention_heads"] if released["num_key_value_heads"] == heads else 2
+    # names tiny_configs' rules do not know: per-family widths, head dims and layer patterns
+    for key in ("block_dim", "conv_dim", "conv_dim_out"):
+        if key in fields:
+            fields[key] = SIZES["hidden_size"]
+    for key in ("block_ff_dim", "shared_intermediate_size", "moe_intermediate_size"):
+        if isinstance(fields.get(key), int) and fields[key] > 0:
+            fields[key] = 32
+    for key in ("attention_head_dim", "rotary_dim"):
+        if key in fields:
+            fields[key] = SIZES["head_dim"]
+    for key, size in (("linear_key_head_dim", 16), ("linear_value_head_dim", 16)):
+        if key in fields:
+            fields[key] = size
+    for key, size in (("linear_num_key_heads", 2), ("linear_num_value_heads", 4)):
+        if key in fields:
+            fields[key] = size
+    if "num_heads" in fields:
+        fields["num_heads"] = SIZES["num_attention_heads"]
+    if "num_kv_heads" in fields:
+        fields["num_kv_heads"] = 2
+    if "qk_rope_head_dim" in fields:  # MLA: consistent low-rank and head dims, no GQA
+        fields.update({k: v for k, v in _MLA.items() if k in fields or k == "head_dim"})
+    pattern = fields.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        last_new = max(pattern.index(kind) for kind in set(pattern))
+        fields["hybrid_override_pattern"] = pattern[: last_new + 1]
+        fields["num_hidden_layers"] = last_new + 1
+    for key in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size", "time_step_rank"):
+        if key in fields:
+            fields[key] = {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2}.get(key, 32)
+    if isinstance(fields.get("sliding_window"), int):
+        fields["sliding_window"] = WINDOW
+    kinds = fields.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        last_new = max(kinds.index(kind) for kind in set(kinds))
+        fields["layer_types"] = kinds[: last_new + 1] if last_new > 0 else kinds[:2]
+        fields["num_hidden_layers"] = len(fields["layer_types"])
+        for key in ("max_window_layers",):
+            if isinstance(fields.get(key), int):
+                fields[key] = min(fields[key], 1)
+    head_dim = fields.get("head_dim") or SIZES["head_dim"]
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(fields.get(key), dict):
+            nested = all(isinstance(v, dict) for v in fields[key].values())
+            fields[key] = (
+                {k: _shrunk_rope(v, head_dim) for k, v in fields[key].items()}
+                if nested
+                else _shrunk_rope(fields[key], head_dim)
+            )
+    return model_type, fields
+
+
+def run(rank: int, world_size: int, which=None) -> dict:
+    """{name: the sweep's per-mode results} for the released configs (sweep_models.run_type)."""
+    from easy_context.hf.architectures import check_model_type
+    from tools import sweep_models
+
+    results = {}
+    for name in which or names():
+        model_type, fields = shrunk(name)
+        try:
+            check_model_type(model_type)
+        except ValueError as refusal:  # refused by name, with the record's reason
+            results[name] = {"static": {"refused": str(refusal)}}
+            continue
+        try:
+            results[name] = sweep_models.run_type(model_type, rank, world_size, **fields)
+        except Exception as error:  # noqa: BLE001 - a result, like the sweep's
+            results[name] = {"run": {"error": f"{type(error).__name__}: {error}"}}
+    return results
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ranks import run_ranks
+
+    from tools import sweep_models
+
+    results = run_ranks(run, 2, timeout=1800)[0]
+    print("| checkpoint | type | class | features the sweep saw | reason or largest error |\n|---|---|---|---|---|")
+    failing = 0
+    for name, modes in results.items():
+        found = sweep_models.classify(name, modes)
+        failing += found[0] == "failing"
+        features = ", ".join(modes.get("_features", ())) or "-"
+        print(f"| {name} | `{shrunk(name)[0]}` | {found[0]} | {features} | {found[1][:120]} |")
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
