@@ -41,59 +41,58 @@ def _shrunk_rope(parameters: dict, head_dim: int) -> dict:
     return parameters
 
 
+# Fields tools/tiny_configs.py's rules do not know, set wherever a released config has them:
+# per-family widths and head dims (LFM2, MiniMax, Falcon, Qwen3.5's linear attention, Nemotron-H).
+_SET = dict(
+    block_dim=64,
+    conv_dim=64,
+    conv_dim_out=64,
+    attention_head_dim=16,
+    rotary_dim=16,
+    num_heads=4,
+    num_kv_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    n_groups=2,
+    chunk_size=32,
+    time_step_rank=32,
+)
+_NARROWED = ("block_ff_dim", "shared_intermediate_size", "moe_intermediate_size")  # to 32 where not 0
+
+
+def _one_period(pattern):
+    """The shortest prefix of a layer pattern (a list of kinds, or Nemotron-H's string) that holds
+    every kind in it; two layers where there is one kind."""
+    last_new = max(pattern.index(kind) for kind in set(pattern))
+    return pattern[: max(last_new + 1, 2)]
+
+
 def shrunk(name: str) -> tuple[str, dict]:
     """(model type, config fields) of a released config, shrunk (see the module docstring)."""
-    from tools.tiny_configs import _MLA, SIZES, WINDOW, _shrink_by_name
+    from tools.tiny_configs import MAMBA, MLA, SIZES, WINDOW, shrink_by_name
 
     released = json.loads((CONFIGS / f"{name}.json").read_text())
     released = released.get("text_config", released)  # a multimodal checkpoint: its decoder's config
     model_type = released["model_type"]
     fields = {k: v for k, v in released.items() if not k.startswith("_") and k not in _NOT_FIELDS | {"model_type"}}
-    fields = {k: (SIZES[k] if k in SIZES else _shrink_by_name(k, v)) for k, v in fields.items()}
-    if fields.get("num_key_value_heads") is not None and released.get("num_key_value_heads"):
-        # MHA stays MHA
-        heads = released.get("num_attention_heads")
-        fields["num_key_value_heads"] = SIZES["num_attention_heads"] if released["num_key_value_heads"] == heads else 2
-    # names tiny_configs' rules do not know: per-family widths, head dims and layer patterns
-    for key in ("block_dim", "conv_dim", "conv_dim_out"):
-        if key in fields:
-            fields[key] = SIZES["hidden_size"]
-    for key in ("block_ff_dim", "shared_intermediate_size", "moe_intermediate_size"):
-        if isinstance(fields.get(key), int) and fields[key] > 0:
-            fields[key] = 32
-    for key in ("attention_head_dim", "rotary_dim"):
-        if key in fields:
-            fields[key] = SIZES["head_dim"]
-    for key, size in (("linear_key_head_dim", 16), ("linear_value_head_dim", 16)):
-        if key in fields:
-            fields[key] = size
-    for key, size in (("linear_num_key_heads", 2), ("linear_num_value_heads", 4)):
-        if key in fields:
-            fields[key] = size
-    if "num_heads" in fields:
-        fields["num_heads"] = SIZES["num_attention_heads"]
-    if "num_kv_heads" in fields:
-        fields["num_kv_heads"] = 2
+    fields = {k: (SIZES[k] if k in SIZES else shrink_by_name(k, v)) for k, v in fields.items()}
+    if released.get("num_key_value_heads"):  # MHA stays MHA
+        mha = released["num_key_value_heads"] == released.get("num_attention_heads")
+        fields["num_key_value_heads"] = SIZES["num_attention_heads"] if mha else SIZES["num_key_value_heads"]
+    fields.update({k: v for k, v in {**_SET, **MAMBA}.items() if k in fields})
+    fields.update({k: 32 for k in _NARROWED if fields.get(k)})
     if "qk_rope_head_dim" in fields:  # MLA: consistent low-rank and head dims, no GQA
-        fields.update({k: v for k, v in _MLA.items() if k in fields or k == "head_dim"})
-    pattern = fields.get("hybrid_override_pattern")
-    if isinstance(pattern, str) and pattern:
-        last_new = max(pattern.index(kind) for kind in set(pattern))
-        fields["hybrid_override_pattern"] = pattern[: last_new + 1]
-        fields["num_hidden_layers"] = last_new + 1
-    for key in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size", "time_step_rank"):
-        if key in fields:
-            fields[key] = {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2}.get(key, 32)
+        fields.update({k: v for k, v in MLA.items() if k in fields or k == "head_dim"})
     if isinstance(fields.get("sliding_window"), int):
         fields["sliding_window"] = WINDOW
-    kinds = fields.get("layer_types")
-    if isinstance(kinds, list) and kinds:
-        last_new = max(kinds.index(kind) for kind in set(kinds))
-        fields["layer_types"] = kinds[: last_new + 1] if last_new > 0 else kinds[:2]
-        fields["num_hidden_layers"] = len(fields["layer_types"])
-        for key in ("max_window_layers",):
-            if isinstance(fields.get(key), int):
-                fields[key] = min(fields[key], 1)
+    if isinstance(fields.get("max_window_layers"), int):
+        fields["max_window_layers"] = min(fields["max_window_layers"], 1)
+    for key in ("layer_types", "hybrid_override_pattern"):
+        if fields.get(key):
+            fields[key] = _one_period(fields[key])
+            fields["num_hidden_layers"] = len(fields[key])
     head_dim = fields.get("head_dim") or SIZES["head_dim"]
     for key in ("rope_scaling", "rope_parameters"):
         if isinstance(fields.get(key), dict):

@@ -4,7 +4,7 @@
     tiny_config("gemma3_text", seed=...)
 
 The sizes are shrunk field by field where the config has the field (`SIZES`), mixture-of-experts
-and low-rank fields by name (`_shrink_by_name`), dropouts set to 0, and whatever a family
+and low-rank fields by name (`shrink_by_name`), dropouts set to 0, and whatever a family
 needs beyond that is in `OVERRIDES`. What a family adds to attention stays active at the sweep's
 length: sliding windows of `WINDOW` tokens, its layer kinds (one layer of each, in the
 default pattern's order), sinks, softcaps, MLA dims.
@@ -30,7 +30,7 @@ SIZES = dict(
     eos_token_id=2,
 )
 # Multi-head latent attention (DeepSeek-V2/V3 and their kin): a value head dim of its own
-_MLA = dict(
+MLA = dict(
     num_key_value_heads=4,
     kv_lora_rank=32,
     q_lora_rank=48,
@@ -44,7 +44,7 @@ _MLA = dict(
 # heads' B/C... except where the family's default is one group (Bamba, Falcon-H1, Granite 4,
 # Zamba2: kept, the case that head exchange serves by replicating B and C), chunks of 32 (so
 # a run of 64 tokens spans two), states of 16.
-_MAMBA = dict(
+MAMBA = dict(
     mamba_n_heads=8,
     mamba_num_heads=8,
     n_mamba_heads=8,
@@ -88,7 +88,7 @@ OVERRIDES: dict[str, dict] = {
 }
 
 
-def _shrink_by_name(name: str, value):
+def shrink_by_name(name: str, value):
     """Mixture-of-experts, low-rank and per-part sizes, recognised by their field names."""
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and ("dropout" in name or name.endswith("_pdrop") or "jitter" in name):
@@ -121,11 +121,11 @@ def tiny_config(model_type: str, **extra):
         defaults = CONFIG_MAPPING[model_type](**OVERRIDES.get(model_type, {}))
         fields = {k: v for k, v in defaults.to_dict().items() if not k.startswith("_")}
         kwargs = {k: v for k, v in SIZES.items() if k in fields or k in getattr(defaults, "attribute_map", {})}
-        kwargs.update({k: _shrink_by_name(k, v) for k, v in fields.items() if k not in SIZES})
+        kwargs.update({k: shrink_by_name(k, v) for k, v in fields.items() if k not in SIZES})
         kwargs = {k: v for k, v in kwargs.items() if fields.get(k) != v or k in SIZES}
-        kwargs.update({k: v for k, v in _MAMBA.items() if k in fields})
+        kwargs.update({k: v for k, v in MAMBA.items() if k in fields})
         if "qk_rope_head_dim" in fields:  # MLA: consistent low-rank and head dims, no GQA
-            kwargs.update({k: v for k, v in _MLA.items() if k in fields or k == "head_dim"})
+            kwargs.update({k: v for k, v in MLA.items() if k in fields or k == "head_dim"})
         if fields.get("sliding_window") is not None:
             kwargs["sliding_window"] = WINDOW
         layer_types = fields.get("layer_types")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-__all__ = ["install", "uninstall", "latest"]
+__all__ = ["install", "uninstall", "or_latest"]
 
 _saved: dict[type, object] = {}  # base model class -> its own forward
 _latest: tuple = (None, None)  # (modeling module name, local position_ids) of the latest forward
@@ -46,11 +46,14 @@ def uninstall() -> None:
     _latest = (None, None)
 
 
-def latest(module_name: str):
-    """The position_ids of the latest forward of a model whose code is in `module_name` (None:
-    none recorded, or the latest was another model's)."""
-    recorded_by, positions = _latest
-    return positions if recorded_by == module_name else None
+def or_latest(positions, module_name: str):
+    """`positions` (a call's own position_ids), or where it is None, those of the latest forward
+    of a model whose code is in `module_name` (None: none recorded, or the latest was another
+    model's)."""
+    if positions is not None:
+        return positions
+    recorded_by, recorded = _latest
+    return recorded if recorded_by == module_name else None
 
 
 def _recording(forward, module_name: str):

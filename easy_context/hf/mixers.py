@@ -31,7 +31,7 @@ import torch.distributed as dist
 from easy_context.core.collectives import all_gather
 from easy_context.core.global_mask import check_positions
 from easy_context.core.masking import document_starts
-from easy_context.hf.forward_positions import latest as latest_forward_positions
+from easy_context.hf.forward_positions import or_latest
 from easy_context.hf.modeling import modeling_module
 from easy_context.mixers import Sharding, choose_strategy, families
 from easy_context.mixers.costs import MixerShape
@@ -166,10 +166,8 @@ def _recurrent_mask(module, original):
         global _positions
         context = _active() if _active is not None else None
         if context is not None and context.sequence_parallel:
-            positions = kwargs.get("position_ids")
-            if positions is None:  # a model that builds this mask without them (forward_positions.py)
-                positions = latest_forward_positions(module.__name__)
-            _positions = (module, positions)
+            # a model that builds this mask without them: its forward's (forward_positions.py)
+            _positions = (module, or_latest(kwargs.get("position_ids"), module.__name__))
         return original(*args, **kwargs)
 
     return create_recurrent_attention_mask

@@ -21,8 +21,7 @@ checks now and then that the SP group's weights are still identical (replicas.py
 A layer's window is the one the model's own mask applies (read from the mask function
 transformers composed for it), never the attention call's sliding_window argument: the two
 disagree in released models (PhiMoE windows in its mask only, OLMoE passes a window its mask
-does not apply), and the mask is what the unpatched model attends with. check_masks.py
-compares the two rules for every layer of a model before it runs.
+does not apply), and the mask is what the unpatched model attends with.
 
 Under torch.compile the dispatcher calls the mode through one custom operator (compiled.py).
 """
@@ -162,15 +161,6 @@ def _tell_disagreement(name: str, window, argument) -> None:
     )
 
 
-def _positions(module, kwargs):
-    """The local position_ids of a layer's call: its argument, or where the model hands its
-    attention none (forward_positions.py), those its forward was given."""
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = forward_positions.latest(type(module).__module__)
-    return positions
-
-
 def _check_mode_call(query, key, kwargs):
     """What a forward of the active mode needs: no KV cache, and the token index exactly when
     the patch splits documents. Returns the token index (None without document_split)."""
@@ -198,7 +188,8 @@ def _mode_attention(module, query, key, attention_mask, kwargs):
     groups = context.groups()
     layout = context.mode.layout(groups.topology)
     sharded = attention_mask if attention_mask is not None else ShardedMask(None)
-    mask = sharded.resolve(module, _positions(module, kwargs), groups, layout, token_index).with_window(
+    positions = forward_positions.or_latest(kwargs.get("position_ids"), type(module).__module__)
+    mask = sharded.resolve(module, positions, groups, layout, token_index).with_window(
         layer_window(module, attention_mask, kwargs)
     )
 
@@ -222,7 +213,7 @@ def _compiled_attention(module, query, key, attention_mask, kwargs):
             v,
             scale,
             options,
-            position_ids=_positions(module, kwargs),
+            position_ids=forward_positions.or_latest(kwargs.get("position_ids"), type(module).__module__),
             padding=sharded.padding,
             token_index=token_index,
             window=layer_window(module, attention_mask, kwargs),
