@@ -10,6 +10,8 @@ Public API (everything a training or evaluation script needs):
         sp.generate(model, input_ids, attention_mask=None, **generate_kwargs)   KV cache sharded
         sp.check_same(tensors, error)        every rank of the SP group holds the same tensors
     teardown()                               transformers' own attention again
+    check_masks(model_or_config)             the model's own masks against the patch's, per layer kind
+                                             (setup runs it; raises MaskDisagreement)
     options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn),
              document_split (a layout per packed row: equal work per rank)
 
@@ -29,7 +31,7 @@ Package map (rooms; docs/architecture.md draws them):
                 layout, balance, groups, remat
     modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in
                 __init__, the pieces of their cost declarations in costs.py
-    hf/         the transformers integration: context (SequenceParallel), api, patch, admission,
+    hf/         the transformers integration: context (SequenceParallel), api, patch, admission, mask_check,
                 architectures, replicas, generation, sharded_cache, trainer
     programs/   what train.py, the eval scripts and the planner need: training/ (train.py's steps and
                 flags), launch, data/, models, loss,
@@ -56,6 +58,7 @@ from easy_context.hf.api import (  # noqa: E402
 )
 from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES  # noqa: E402
 from easy_context.hf.context import SequenceParallel, setup, teardown  # noqa: E402
+from easy_context.hf.mask_check import MaskDisagreement, check_masks  # noqa: E402
 from easy_context.modes import BUILT_MODES, MODE_NAMES  # noqa: E402
 
 __version__ = "0.1.0"
@@ -71,6 +74,8 @@ __all__ = [
     "prepare_trainer",
     "gather_seq_parallel_outputs",
     "generate",
+    "check_masks",
+    "MaskDisagreement",
     "SUPPORTED_MODEL_TYPES",
     "MODE_NAMES",
     "BUILT_MODES",

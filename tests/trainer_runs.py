@@ -39,15 +39,18 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(config)
 
 
-def tiny_of(model_type: str, seed: int = 0):
-    """The sweep's tiny model of `model_type` (tools/tiny_configs.py) with the byte tokenizer's vocabulary."""
+def tiny_of(model_type: str, seed: int = 0, **overrides):
+    """The sweep's tiny model of `model_type` (tools/tiny_configs.py) with the byte tokenizer's
+    vocabulary and config fields `overrides`."""
     import transformers
 
     from easy_context.hf.architectures import attn_implementation
     from tools.tiny_configs import tiny_config
 
     torch.manual_seed(seed)
-    config = tiny_config(model_type, vocab_size=VOCAB, pad_token_id=256, eos_token_id=256, bos_token_id=256)
+    config = tiny_config(
+        model_type, vocab_size=VOCAB, pad_token_id=256, eos_token_id=256, bos_token_id=256, **overrides
+    )
     config._attn_implementation = attn_implementation(config)
     return transformers.AutoModelForCausalLM.from_config(config)
 
@@ -136,7 +139,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    model = tiny_llama() if spec.get("model_type") is None else tiny_of(spec["model_type"])
+    model = tiny_llama() if spec.get("model_type") is None else tiny_of(spec["model_type"], **spec.get("config", {}))
     if spec.get("lora"):  # rank-r adapters on the attention projections; the base frozen
         from easy_context.programs.lora import add_lora
 

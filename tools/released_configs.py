@@ -13,6 +13,7 @@ original context 64 tokens, so the sweep's 128 tokens cross both.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -58,6 +59,8 @@ _SET = dict(
     n_groups=2,
     chunk_size=32,
     time_step_rank=32,
+    global_head_dim=32,  # Gemma 4's full-attention layers
+    moe_latent_size=32,  # Nemotron 3's experts
 )
 _NARROWED = ("block_ff_dim", "shared_intermediate_size", "moe_intermediate_size")  # to 32 where not 0
 
@@ -85,6 +88,12 @@ def shrunk(name: str) -> tuple[str, dict]:
     fields.update({k: 32 for k in _NARROWED if fields.get(k)})
     if "qk_rope_head_dim" in fields:  # MLA: consistent low-rank and head dims, no GQA
         fields.update({k: v for k, v in MLA.items() if k in fields or k == "head_dim"})
+    if isinstance(fields.get("time_step_limit"), list):  # 1e308 (a copy's JSON for infinity) overflows fp32
+        fields["time_step_limit"] = [
+            v if abs(v) < 3.4e38 else math.copysign(math.inf, v) for v in fields["time_step_limit"]
+        ]
+    if "global_head_dim" in fields:  # the full layers' head dim comes from it, not tiny_configs' per-layer override
+        fields["per_layer_config"] = {}
     if isinstance(fields.get("sliding_window"), int):
         fields["sliding_window"] = WINDOW
     if isinstance(fields.get("max_window_layers"), int):

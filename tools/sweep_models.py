@@ -245,9 +245,9 @@ def _refusal(error: BaseException) -> str | None:
     return str(error) if frames and f"{os.sep}easy_context{os.sep}" in frames[-1].filename else None
 
 
-def run_type(model_type: str, rank: int, world_size: int, **overrides) -> dict:
+def run_type(model_type: str, rank: int, world_size: int, modes=MODES, **overrides) -> dict:
     """{mode: [logits, loss, grad errors] | {"refused": message} | {"error": message}}, for the
-    type's tiny model with config fields `overrides` set."""
+    type's tiny model with config fields `overrides` set, in `modes`."""
     import copy
 
     from easy_context import (
@@ -274,7 +274,7 @@ def run_type(model_type: str, rank: int, world_size: int, **overrides) -> dict:
     results = {"_features": features(model)}
     scans = hf_mixers.has_scans(sys.modules[type(model).__module__])
     # a hybrid's recurrent layers under each strategy (mixers/): every mode runs both
-    runs = [(mode, strategy) for mode in MODES for strategy in (STRATEGIES if scans else (None,))]
+    runs = [(mode, strategy) for mode in modes for strategy in (STRATEGIES if scans else (None,))]
     for mode, strategy in runs:
         key = mode if strategy is None else f"{mode}+{strategy}"
         try:
@@ -294,7 +294,7 @@ def run_type(model_type: str, rank: int, world_size: int, **overrides) -> dict:
         finally:
             remove_seq_parallel_monkey_patch()
     exact_so_far = all(isinstance(r, list) for key, r in results.items() if not key.startswith("_"))
-    if hf_mixers.covers(sys.modules[type(model).__module__]) and exact_so_far:
+    if hf_mixers.covers(sys.modules[type(model).__module__]) and exact_so_far and modes == MODES:
         from tools import hybrid_checks
 
         try:  # packed documents and generation (tools/hybrid_checks.py)
@@ -303,6 +303,36 @@ def run_type(model_type: str, rank: int, world_size: int, **overrides) -> dict:
         except Exception as error:  # noqa: BLE001
             results["hybrid checks"] = {"error": f"{type(error).__name__}: {error}"}
     return results
+
+
+# ------------------------------------------------------------------ variants
+# A variant of a type is its tiny config with fields a user's config may set (issue 56): a
+# window set or unset (all mode families: the mask is what changes), each rope type (one mode:
+# the positions are what changes, the same in every mode). Entries are named "<type>+<variant>".
+VARIANT_SEPARATOR = "+"
+ROPE_MODES = ("zigzag_ring_attn",)
+ROPE_ORIGINAL = 64  # the rope's original context: the sweep's SEQ crosses it
+
+
+def variants(model_type: str, rope_types=None) -> dict:
+    """{entry name: (config overrides, modes)} of a type's variants (rope_types: those rope
+    types only; None: every one)."""
+    from tools.tiny_configs import rope_variants, window_variants
+
+    found = {f"{model_type}{VARIANT_SEPARATOR}{n}": (o, MODES) for n, o in window_variants(model_type).items()}
+    for name, overrides in rope_variants(model_type, ROPE_ORIGINAL).items():
+        if rope_types is None or name.removeprefix("rope=") in rope_types:
+            found[f"{model_type}{VARIANT_SEPARATOR}{name}"] = (overrides, ROPE_MODES)
+    return found
+
+
+def run_entry(entry: str, rank: int, world_size: int) -> dict:
+    """run_type for a type or one of its variants."""
+    model_type = entry.split(VARIANT_SEPARATOR)[0]
+    if entry == model_type:
+        return run_type(model_type, rank, world_size)
+    overrides, modes = variants(model_type)[entry]
+    return run_type(model_type, rank, world_size, modes=modes, **overrides)
 
 
 def _rank_entry(rank, world_size, workdir, types):
@@ -327,7 +357,7 @@ def _rank_entry(rank, world_size, workdir, types):
         for model_type in types:
             log.write(json.dumps({"start": model_type}) + "\n")
             log.flush()
-            log.write(json.dumps({"type": model_type, "modes": run_type(model_type, rank, world_size)}) + "\n")
+            log.write(json.dumps({"type": model_type, "modes": run_entry(model_type, rank, world_size)}) + "\n")
             log.flush()
     dist.barrier()
     dist.destroy_process_group()
@@ -385,8 +415,14 @@ def run_dynamic(types: list[str], world_size: int = 2, stall: float = STALL_SECO
 
 
 # ------------------------------------------------------------------------ classes
+NOT_ACCEPTED = "not accepted"  # a variant the unpatched model itself does not run
+
+
 def classify(model_type: str, modes: dict) -> tuple[str, str]:
-    """(class, why) from one type's results: exact, refused (by the patch) or failing."""
+    """(class, why) from one type's results: exact, refused (by the patch) or failing; a variant
+    whose unpatched model does not run is one its type's config does not accept."""
+    if VARIANT_SEPARATOR in model_type and "error" in modes.get("unpatched", {}):
+        return NOT_ACCEPTED, modes["unpatched"]["error"]
     errors, refusals, worst = [], [], [0.0, 0.0, 0.0, 0.0]
     for mode, result in modes.items():
         if mode.startswith("_"):
@@ -412,7 +448,7 @@ def sweep(types: list[str], world_size: int = 2, echo=print) -> tuple[dict, dict
     static reasons first, the rest run."""
     found, dynamic = {}, []
     for model_type in types:
-        reason = static_reason(model_type)
+        reason = None if VARIANT_SEPARATOR in model_type else static_reason(model_type)
         if reason is None:
             dynamic.append(model_type)
         else:
@@ -436,6 +472,10 @@ def mismatches(found: dict, strict: bool = False) -> list[str]:
 
     problems = []
     for model_type, (cls, why) in found.items():
+        if VARIANT_SEPARATOR in model_type:  # a variant of a supported type: exact or refused by name
+            if cls == "failing":
+                problems.append(f"{model_type}: a variant of a supported type, failing: {why[:300]}")
+            continue
         recorded = architectures.SUPPORTED.get(model_type), architectures.REFUSED.get(model_type)
         if recorded == (None, None):
             if strict or cls == "exact":
@@ -475,8 +515,29 @@ def static_reason_category(why: str) -> str | None:
 
 
 def markdown(found: dict) -> str:
+    """The types' table, then (with variants) a table of each variant's classes over the types."""
     lines = ["| model type | class | reason or largest error |", "|---|---|---|"]
-    lines += [f"| `{t}` | {cls} | {why.replace('|', '/')[:200]} |" for t, (cls, why) in found.items()]
+    lines += [
+        f"| `{t}` | {cls} | {why.replace('|', '/')[:200]} |"
+        for t, (cls, why) in found.items()
+        if VARIANT_SEPARATOR not in t
+    ]
+    kinds: dict = {}
+    for entry, (cls, _) in found.items():
+        if VARIANT_SEPARATOR in entry:
+            model_type, kind = entry.split(VARIANT_SEPARATOR, 1)
+            kinds.setdefault(kind, {}).setdefault(cls, []).append(model_type)
+    if kinds:
+        classes = ("exact", "refused", NOT_ACCEPTED, "failing")
+        lines += [
+            "",
+            f"| variant | {' | '.join(classes)} | refused or failing |",
+            "|---|" + "---|" * (len(classes) + 1),
+        ]
+        for kind, by_class in sorted(kinds.items()):
+            counts = " | ".join(str(len(by_class.get(cls, []))) for cls in classes)
+            others = sorted(t for cls in ("refused", "failing") for t in by_class.get(cls, []))
+            lines.append(f"| {kind} | {counts} | {', '.join(others) or '-'} |")
     return "\n".join(lines)
 
 
@@ -487,16 +548,28 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 where a class differs from the record")
     parser.add_argument("--strict", action="store_true", help="with --check: a type the record lacks fails too")
     parser.add_argument("--json", help="write {type: [class, why]} here")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="also each supported type's variants: a window set and unset, each rope type (<type>+<variant>)",
+    )
+    parser.add_argument("--rope-types", nargs="+", help="with --variants: these rope types only (default: all)")
     parser.add_argument("--suggest", action="store_true", help="print record entries for types the record lacks")
     args = parser.parse_args(argv)
     types = args.types or causal_lm_types()
     unknown = sorted(set(types) - set(causal_lm_types()))
     if unknown:
         parser.error(f"not causal-LM model types of this transformers: {unknown}")
+    if args.variants:
+        from easy_context.hf.architectures import SUPPORTED
+
+        types = types + [entry for t in types if t in SUPPORTED for entry in variants(t, args.rope_types)]
     start = time.monotonic()
     found, ran = sweep(types, args.ranks)
     print(markdown(found))
-    counts = {cls: sum(1 for c, _ in found.values() if c == cls) for cls in ("exact", "refused", "failing")}
+    counts = {
+        cls: sum(1 for c, _ in found.values() if c == cls) for cls in ("exact", "refused", "failing", NOT_ACCEPTED)
+    }
     print(f"\n{counts} of {len(found)} types in {time.monotonic() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -136,3 +136,85 @@ def tiny_config(model_type: str, **extra):
         kwargs.update(OVERRIDES.get(model_type, {}))
         kwargs.update(extra)
         return AutoConfig.for_model(model_type, **kwargs)
+
+
+def window_variants(model_type: str) -> dict:
+    """{name: config overrides}: the type's tiny config with a sliding window set, as a user may
+    write one into any config (a model reads it, or not, in its mask or its attention: issue
+    56), and without one where the type has a window its layers do not require. A window
+    switches `use_sliding_window` on and `max_window_layers` to 1, so both layer kinds are built."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fields = CONFIG_MAPPING[model_type]().to_dict()
+    window = {"sliding_window": WINDOW}
+    window.update({k: v for k, v in (("use_sliding_window", True), ("max_window_layers", 1)) if k in fields})
+    variants = {"window": window}
+    if fields.get("sliding_window") is not None and "sliding_attention" not in (fields.get("layer_types") or ()):
+        none = {"sliding_window": None, **({"use_sliding_window": False} if "use_sliding_window" in fields else {})}
+        try:  # some config classes require a window (an int) and refuse None
+            CONFIG_MAPPING[model_type](**none)
+            variants["no window"] = none
+        except Exception:  # noqa: BLE001 - huggingface_hub raises its own strict-dataclass errors
+            pass
+    return variants
+
+
+def rope_parameters(rope_type: str, original: int, half_head: int) -> dict:
+    """Each rope type's own parameters (transformers' ROPE_INIT_FUNCTIONS, and `default`), for an
+    original context of `original` tokens and rotary of `half_head` frequencies: the lengths the
+    tests run cross it, so the length-dependent types switch their frequencies on the way."""
+    return {
+        "default": {},
+        "linear": {"factor": 2.0},
+        "dynamic": {"factor": 4.0},
+        "yarn": {"factor": 4.0, "original_max_position_embeddings": original},
+        "longrope": {
+            "original_max_position_embeddings": original,
+            "short_factor": [1.0 + 0.1 * i for i in range(half_head)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half_head)],
+        },
+        "llama3": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original // 2,
+        },
+        "proportional": {"partial_rotary_factor": 0.5},
+    }[rope_type]
+
+
+def rope_variants(model_type: str, original: int) -> dict:
+    """{"rope=<type>": config overrides} for each rope type transformers implements, for a type
+    whose tiny config has rope parameters: the type's own parameters (per layer type too, as
+    Gemma 3 keeps them) with rope_type and its fields replaced, the original context and
+    max_position_embeddings at `original`."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tools.sweep_models import causal_lm_class
+
+    config = tiny_config(model_type)
+    own = getattr(config, "rope_parameters", None)
+    if not isinstance(own, dict) or not own:
+        return {}
+    with torch.device("meta"):
+        model = causal_lm_class(model_type)(config)
+    halves = {buffer.shape[-1] for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
+    if len(halves) != 1:  # no rotary of transformers' kind, or several sizes (per-layer heads)
+        return {}
+    half = halves.pop()
+    nested = all(isinstance(v, dict) for v in own.values())
+    names = sorted(set(ROPE_INIT_FUNCTIONS) | {"default"})
+    named = {"rope_type"} | {k for t in names for k in rope_parameters(t, original, half)}
+    variants = {}
+    for rope_type in names:
+        fields = {"rope_type": rope_type, **rope_parameters(rope_type, original, half)}
+
+        def typed(parameters, fields=fields):  # the type's own fields that no rope type here names stay
+            return {**{k: v for k, v in parameters.items() if k not in named}, **fields}
+
+        parameters = {k: typed(v) for k, v in own.items()} if nested else typed(own)
+        variants[f"rope={rope_type}"] = {"rope_parameters": parameters, "max_position_embeddings": original}
+    return variants

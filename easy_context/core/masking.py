@@ -138,6 +138,17 @@ class SequenceMask:
             total += (hi - lo)[0] * rows
         return total
 
+    def dense(self, queries: torch.Tensor | None = None, row: int = 0) -> torch.Tensor:
+        """(n, S) bool: which keys the queries (global indices; None: all S) of batch row `row`
+        may attend. For checks and tests: the kernels never materialise it."""
+        keys = torch.arange(self.first_key.shape[1])
+        queries = keys if queries is None else queries
+        query, key = queries[:, None], keys[None, :]
+        allowed = (key >= self.first_key[row, queries][:, None]) & (key <= query)
+        if self.window is not None:
+            allowed &= query - key < self.window
+        return allowed
+
     def allowed_pairs(self, q_index: torch.Tensor, k_index: torch.Tensor) -> int:
         """Allowed (query, key) pairs summed over the batch rows."""
         return int(self.pairs_per_query(q_index, k_index).sum())

@@ -6,6 +6,7 @@ what runs on it (generation, the Trainer adapter, the replica guard).
                       prepare_trainer, ...): each finds its context and calls it
     patch.py          dispatchers installed into transformers' attention and mask registries
     admission.py      what a model may bring (keywords, mask functions, head dims), checked per call
+    mask_check.py     check_masks: the model's own mask per layer kind against the patch's, at setup
     architectures.py  the supported model types (one list) and why others are refused
     replicas.py       a guard: the ranks of an SP group must hold the same weights
     generation.py     generate in a context: prompt checks, sharded prefill, then transformers' decoding

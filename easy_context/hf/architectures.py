@@ -111,17 +111,23 @@ def rope_types(config) -> set[str]:
     return {p.get("rope_type", "default") for p in parameters.values() if isinstance(p, dict)}
 
 
+def text_config_of(model_or_config):
+    """The config a model's (or config's) decoder is built from: the nested text config of a
+    multimodal wrapper, else the config itself."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def model_types_of(model_or_type) -> list[str]:
     """The model types a model instance (or config) runs attention under: its decoder's, read
     from the nested text config where there is one. A string is returned as it is."""
     if isinstance(model_or_type, str):
         return [model_or_type]
-    config = getattr(model_or_type, "config", model_or_type)
-    if not hasattr(config, "model_type"):
+    if not hasattr(getattr(model_or_type, "config", model_or_type), "model_type"):
         raise TypeError(
             f"expected a model type (str) or a transformers model or config, got {type(model_or_type).__name__}"
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: the decoder's
+    text = text_config_of(model_or_type)
     if text.model_type in REFUSED:  # the known reason first
         check_model_type(text.model_type)
     check_config_features(text)

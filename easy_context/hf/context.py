@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 
 import torch
 
@@ -22,7 +23,7 @@ from easy_context.core import collectives
 from easy_context.core.global_mask import check_padding
 from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get_groups, ranks_per_node
 from easy_context.core.layout import RowLayout, check_document_split_value
-from easy_context.hf import architectures, patch, replicas
+from easy_context.hf import architectures, mask_check, patch, replicas
 from easy_context.hf.generation import generate_in
 from easy_context.hf.trainer import prepare
 from easy_context.mixers import STRATEGIES
@@ -304,8 +305,7 @@ def model_heads(model_or_config) -> tuple:
     model type, which says nothing about them."""
     if isinstance(model_or_config, str):
         return None, None
-    config = getattr(model_or_config, "config", model_or_config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = architectures.text_config_of(model_or_config)
     heads = getattr(text, "num_attention_heads", None)
     return heads, getattr(text, "num_key_value_heads", None) or heads
 
@@ -342,12 +342,34 @@ def setup(mode: str | SeqParallelMode, model_or_type, **options) -> SequencePara
         teardown()
         return context
     current = active()
+    if not isinstance(model_or_type, str) and not (current and set(model_types) <= current.model_types):
+        _check_masks_at_setup(model_or_type)
     if context.same_setup(current):
         context.model_types |= current.model_types
     patch.install(context)
     if collectives.world_size() > 1:
         context.groups()  # collective: every rank calls setup, so create the groups now
     return context
+
+
+_masks_checked: set = set()
+
+
+def _check_masks_at_setup(model_or_config) -> None:
+    """The model's own masks against the patch's, before the patch replaces them (mask_check.py).
+    A disagreement stops here; a skeleton that cannot run is told, not fatal: every call is
+    still checked by admission.py."""
+    config = architectures.text_config_of(model_or_config)
+    key = (type(config), config.to_json_string(use_diff=False))
+    if key in _masks_checked:  # tests and sweeps set up the same config over and over
+        return
+    try:
+        mask_check.check_masks(model_or_config)
+        _masks_checked.add(key)
+    except mask_check.MaskDisagreement:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of the probe itself
+        warnings.warn(f"check_masks could not probe this model's masks ({type(error).__name__}: {error})", stacklevel=3)
 
 
 def teardown() -> None:

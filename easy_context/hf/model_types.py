@@ -161,6 +161,9 @@ SUPPORTED = {
 # them to neither its masks nor its layers): the patch reads them where the model's forward
 # receives them (hf/forward_positions.py).
 POSITIONS_AT_FORWARD = frozenset({"granitemoehybrid"})
+# Supported types whose masks check_masks cannot probe on a meta skeleton (hf/mask_check.py), and
+# why: their masks are proven by the sweep's configs only.
+MASKS_NOT_PROBED = {"jetmoe": "its attention routes each query to experts by counts it reads on the host"}
 # model_type -> why it is refused
 REFUSED = {
     "axk2": f"{NOT_IMPLEMENTED}: {_DSA}",

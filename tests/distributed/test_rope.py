@@ -28,6 +28,7 @@ from easy_context import (
 from easy_context.hf import active_patch
 from easy_context.hf.architectures import PROVEN_ROPE_TYPES
 from easy_context.hf.rope import length_dependent
+from tools.tiny_configs import rope_parameters
 
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py
 ORIGINAL = 32  # the original context of every rope type here (max_position_embeddings too)
@@ -35,19 +36,7 @@ ORIGINAL = 32  # the original context of every rope type here (max_position_embe
 # the original context), a zigzag shard at 48: both pick other frequencies than the whole.
 ABOVE, BELOW = 64, 24
 HALF_HEAD = 8  # the tiny models' head dim is 16
-ROPES = {
-    "default": {},
-    "linear": {"factor": 2.0},
-    "dynamic": {"factor": 4.0},
-    "yarn": {"factor": 4.0, "original_max_position_embeddings": ORIGINAL},
-    "longrope": {
-        "original_max_position_embeddings": ORIGINAL,
-        "short_factor": [1.0 + 0.1 * i for i in range(HALF_HEAD)],
-        "long_factor": [2.0 + 0.5 * i for i in range(HALF_HEAD)],
-    },
-    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    "proportional": {"partial_rotary_factor": 0.5},
-}
+ROPES = {rope: rope_parameters(rope, ORIGINAL, HALF_HEAD) for rope in sorted(set(ROPE_INIT_FUNCTIONS) | {"default"})}
 MODES = ["zigzag_ring_attn", "ulysses_attn", "dist_flash_attn", "usp_attn", "data_parallel"]
 
 

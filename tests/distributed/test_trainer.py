@@ -102,18 +102,27 @@ def test_trainer_left_padding_and_document_split():
     _assert_exact(workload, _reference("packed", batch=2))
 
 
-@pytest.mark.timeout(300)
+GRANITE_4_H = dict(layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3, position_embedding_type="nope")
+
+
+@pytest.mark.timeout(400)
 def test_trainer_trains_a_hybrid_like_one_process():
     """Qwen3-Next (Gated DeltaNet layers and attention) under the Trainer: right-padded rows, the
-    mixers by state passing. (Packed rows differ from one process by design: its torch path
-    carries the state across documents, ours restarts it; tests/distributed/test_hybrids.py
-    compares packed rows against each document alone.)"""
+    mixers by state passing; and Granite 4.0-H (Mamba-2 and attention) under Ulysses. (Packed rows
+    differ from one process by design: its torch path carries the state across documents, ours
+    restarts it; tests/distributed/test_hybrids.py compares packed rows against each document
+    alone.)"""
     spec = dict(model_type="qwen3_next", options={"mixer_strategy": "state_passing"})
     with tempfile.TemporaryDirectory() as out:
         reference = run_ranks(
             train, 1, dict(BASE, mode=None, collator="padded", out=out, model_type="qwen3_next"), timeout=240
         )[0]
     _assert_exact(_run(2, "zigzag_ring_attn", "padded", **spec), reference)
+    # Granite 4.0-H: attention among Mamba-2 layers, no positions passed to them (issue 56)
+    granite = dict(model_type="granitemoehybrid", config=GRANITE_4_H)
+    with tempfile.TemporaryDirectory() as out:
+        reference = run_ranks(train, 1, dict(BASE, mode=None, collator="padded", out=out, **granite), timeout=240)[0]
+    _assert_exact(_run(2, "ulysses_attn", "padded", **granite), reference)
 
 
 @pytest.mark.timeout(300)
