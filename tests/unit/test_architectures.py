@@ -250,3 +250,13 @@ def test_a_layer_attends_with_the_window_of_its_mask_not_of_its_argument():
     assert len(told) == 1 and "passes sliding_window=40" in str(told[0].message), [str(w.message) for w in told]
     assert patch.layer_window(module, patch.ShardedMask(None, 40), {"sliding_window": 40}) == 40
     assert patch.layer_window(module, None, {"sliding_window": 40}) == 40  # no mask built for the call
+
+
+def test_types_that_run_another_familys_code_have_their_rotary_found():
+    """EXAONE, InternLM3, IQuestCoder (Llama's code), Param2MoE, Sarvam (GLM-4-MoE's, DeepSeek-V3's)
+    have no modeling file of their own: the rope patch must find the rotary of the code they run,
+    or `dynamic` rope picks each rank's own length (the sweep's variants: logits off by 7e-2)."""
+    from easy_context.hf import rope
+
+    for model_type in ("exaone", "internlm3", "iquestcoder", "param2moe", "sarvam_mla", "sarvam_moe"):
+        assert rope.rotary_classes(model_type), model_type
