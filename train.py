@@ -9,6 +9,10 @@
     # (byte tokenizer, half the rows needle retrieval documents); about a minute, loss falls
     torchrun --standalone --nproc_per_node 2 train.py --from-scratch
 
+    # A model shape from a config, random weights built on the GPU in bf16 (configs/ has presets)
+    python train.py --from-config llama-3.1-8b --param-dtype bf16 --optimizer sgd --no-save \
+        --seq-length 131072 --activation-checkpointing --max-train-steps 3
+
     # A text dataset (tokenized once into datasets' cache, packed, read lazily), or a stream
     torchrun --standalone --nproc_per_node 2 train.py --model PATH --dataset corpus.jsonl --text-column text
 
@@ -108,7 +112,10 @@ def train(args, accelerator, tracker: str, stage: Stage) -> float:
     log.close()
 
     write_summary(run, step, loss, skipped)
-    save_model(run, trainable, tokenizer, loss)
+    if args.no_save:
+        accelerator.print(f"not saving the model (--no-save; final loss {loss:.4f})")
+    else:
+        save_model(run, trainable, tokenizer, loss)
     ec.remove_seq_parallel_monkey_patch()
     return loss
 

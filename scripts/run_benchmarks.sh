@@ -31,6 +31,7 @@ BENCHMARKS=(
   "replica_check|1|torchrun --standalone --nproc_per_node 2 -m benchmarks.bench_replica_check"
   "planner|1|python -m tools.validate_plan --calibrate"
   "gpu_check_dry_run|3|bash scripts/gpu_check.sh --dry-run --out bench_logs"
+  "long_context_dry_run|1|python -m benchmarks.bench_long_context --dry-run"
 )
 QUICK=(
   "attention|1|python -m benchmarks.bench_attention --smoke"
@@ -41,6 +42,7 @@ QUICK=(
   "mixers|1|python -m benchmarks.bench_mixers --seq-lengths 256 --repeats 1"
   "kernels|1|python -m benchmarks.bench_kernels --device cpu --seq-len 512,1024 --heads 8 --kv-heads 2 --head-dim 64 --iters 2"
   "planner|1|python -m tools.validate_plan"
+  "long_context|1|python -m benchmarks.bench_long_context --dry-run"
 )
 
 list=0 quick=0 wanted=()

@@ -162,3 +162,30 @@ def test_no_fit_names_what_would_fit():
     assert (
         P.plan(model, 2_097_152, 2, P.get_device("h100-80g", small["memory_gib"] + 0.5))["recommendation"] is not None
     )
+
+
+def test_host_memory_column_and_check(capsys):
+    """Llama-3-8B at 524K on one H100: the recipe that fits the GPU offloads 128 GiB of checkpoints
+    (32 layers x 524288 x 4096 x 2 bytes) and ZeRO-3's 18 N = 134.6 GiB of states: 262.6 GiB of
+    host memory, refused on a 64 or 256 GiB host with both numbers, planned on 512."""
+    args = ["--model", "llama-3-8b", "--seq-length", "524288", "--gpus", "1", "--gpu", "h100-80g"]
+    code, out, err = run_main(capsys, *args, "--host-memory", "64", "--all")
+    assert code == 3 and len(err.strip().splitlines()) == 1
+    assert "needs 262.6 GiB of host memory per node, the host has 64.0 GiB (57.6 within the 10% margin)" in err
+    header, *rows = table_rows(out)
+    assert header == P.COLUMNS and "host GiB/node" in header
+    host, fits = header.index("host GiB/node"), header.index("fits")
+    assert {r[host] for r in rows if r[header.index("ZeRO / FSDP")] == "zero3" and r[5] == "yes"} == {"128.0"}
+    assert [rows[0][host], rows[0][fits]] == ["262.6", "NO (host)"]
+    code, out, err = run_main(capsys, *args, "--host-memory", "256")
+    assert code == 3 and "needs 262.6 GiB of host memory per node, the host has 256.0 GiB" in err
+    code, out, err = run_main(capsys, *args, "--host-memory", "512", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["host_memory_gib"] == 512 and data["host_memory_source"] == "--host-memory"
+    best = data["recommendation"]
+    assert best["host_gib"] == pytest.approx(262.62, abs=0.01) and best["host_why"] is None
+    assert best["host_terms_gib"]["offloaded checkpoints"] == 128.0
+    code, out, _ = run_main(capsys, *args, "--host-memory", "512")
+    assert "host memory: 262.62 GiB per node = 1 rank x:" in out and "offloaded checkpoints: 128.00 GiB" in out
+    code, _, err = run_main(capsys, *args, "--host-memory", "0")
+    assert code == 2 and "--host-memory must be positive, got 0.0" in err

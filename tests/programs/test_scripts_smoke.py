@@ -346,3 +346,30 @@ def test_bench_mixers_smoke():
     for row in rows:
         assert float(row[3]) > 0 and row[5] == row[6], row  # seconds; sent == declared
     assert "mamba2: state passing sends fewer bytes than head exchange from S = 204" in out
+
+
+@pytest.mark.timeout(300)
+def test_bench_long_context_dry_run(tmp_path):
+    """The headline benchmark's CPU dry run (configs/tiny-llama): every full-depth row trained,
+    with the planner's predictions beside it, the ceiling and the host line, and its JSON."""
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_long_context", "--dry-run", "--json", str(tmp_path / "lc.json")],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    table = out.split("\n\n")[-2] if "\n\n" in out else out
+    header, *rows = table_rows(table)
+    assert header[:3] == ["S", "layers", "result"] and "planner peak GiB" in header
+    assert [r[0] for r in rows] == ["256", "512"] and all(r[2] == "trained" for r in rows), out
+    for row in rows:
+        cells = dict(zip(header, row))
+        assert float(cells["tokens/s"].replace(",", "")) > 0 and 0 < float(cells["MFU"]) <= float(cells["HFU"])
+        assert float(cells["planner step s"]) > 0 and float(cells["planner peak GiB"]) > 0
+    assert "Ceiling: the longest S that trained is 2,048 tokens" in out, out and "Host: full depth at 2,048" in out
+    report = json.loads((tmp_path / "lc.json").read_text())
+    assert report["ceiling"]["longest_seq"] == 2048 and report["host"]["host_bytes_needed"] > 0

@@ -3,6 +3,7 @@ memory options change nothing numerically, bad input is refused. (Resume, killed
 timeouts and non-finite losses: test_reliability.py; DeepSpeed: test_deepspeed.py.)"""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ def train(tmp_path, name, processes, *flags, timeout=240, env=None):
     """train.py under torchrun: the from-scratch job (random tiny Llama, byte tokenizer, the
     embedded corpus) unless `flags` name a --model. Returns (per-step losses, output folder)."""
     out = tmp_path / name
-    job = [] if "--model" in flags else ["--from-scratch"]
+    job = [] if "--model" in flags or "--from-config" in flags else ["--from-scratch"]
     command = [
         sys.executable,
         "-m",
@@ -50,7 +51,8 @@ def test_every_mode_and_the_memory_options_train_like_data_parallel(tmp_path):
     runs = {
         "zigzag": ["--parallel_mode", "zigzag_ring_attn"],
         "ulysses": ["--parallel_mode", "ulysses_attn"],
-        "dist_flash": ["--parallel_mode", "dist_flash_attn"],
+        # the same shape named by its config: --from-config trains exactly as --from-scratch did
+        "dist_flash": ["--parallel_mode", "dist_flash_attn", "--from-config", "configs/tiny-llama/config.json"],
         "zigzag+memory": [
             "--parallel_mode",
             "zigzag_ring_attn",
@@ -66,6 +68,28 @@ def test_every_mode_and_the_memory_options_train_like_data_parallel(tmp_path):
         # Four steps: AdamW's first update is nearly sign(gradient), blind to gradient scale;
         # the later steps are not, so a missing or mis-scaled gradient reduction shows here.
         assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, got, want)
+    # bf16 parameters, plain SGD, nothing saved: the flags of the 8B headline, on the tiny shape
+    got, out = train(
+        tmp_path,
+        "bf16+sgd",
+        2,
+        "--parallel_mode",
+        "zigzag_ring_attn",
+        "--param-dtype",
+        "bf16",
+        "--optimizer",
+        "sgd",
+        "--no-save",
+        "--from-config",
+        "tiny-llama",
+        "--max-train-steps",
+        "2",
+        "--gradient-accumulate-every",
+        "2",
+    )
+    # random bf16 weights drawn in bf16 (not fp32 ones rounded): a loss near ln(vocab) that is finite
+    assert len(got) == 2 and all(abs(loss - math.log(257)) < 0.3 for loss in got), got
+    assert not list(out.glob("*.safetensors")) and not (out / "config.json").exists()
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])

@@ -18,8 +18,10 @@ from easy_context.programs.plan.catalogue import (
     ModelShape,
     Options,
     PlanError,
+    default_host_memory,
     get_device,
     load_model,
+    machine_memory_gib,
     shape_from_config,
 )
 from easy_context.programs.plan.cli import (
@@ -37,14 +39,17 @@ from easy_context.programs.plan.memory import (
     default_chunk,
     default_tile,
     estimate,
+    host_memory,
     in_flight,
     loss_bytes_per_token,
+    offloads_checkpoints,
 )
 from easy_context.programs.plan.planner import (
     candidate_options,
     check_layout,
     complexity,
     flags_of,
+    host_verdict,
     layout_multiple,
     layouts,
     plan,
@@ -52,9 +57,16 @@ from easy_context.programs.plan.planner import (
     smallest_fit,
 )
 from easy_context.programs.plan.sharding import SHARDINGS, Sharding, StateTerm
-from easy_context.programs.plan.speed import EFFICIENCY, sharding_seconds, throughput
+from easy_context.programs.plan.speed import (
+    ATTENTION_EFFICIENCY,
+    EFFICIENCY,
+    efficiency,
+    sharding_seconds,
+    throughput,
+)
 
 __all__ = [
+    "ATTENTION_EFFICIENCY",
     "COLUMNS",
     "DEVICES",
     "EFFICIENCY",
@@ -77,16 +89,22 @@ __all__ = [
     "check_layout",
     "complexity",
     "default_chunk",
+    "default_host_memory",
     "default_tile",
+    "efficiency",
     "estimate",
     "flags_of",
     "get_device",
+    "host_memory",
+    "host_verdict",
     "in_flight",
     "layout_multiple",
     "layouts",
     "load_model",
     "loss_bytes_per_token",
+    "machine_memory_gib",
     "main",
+    "offloads_checkpoints",
     "parse_args",
     "plan",
     "render",

@@ -18,8 +18,10 @@ __all__ = [
     "ModelShape",
     "Options",
     "PlanError",
+    "default_host_memory",
     "get_device",
     "load_model",
+    "machine_memory_gib",
     "shape_from_config",
 ]
 
@@ -156,18 +158,65 @@ class Device:
     per_node: int = 8
     optimizer_params_per_s: float = 5e8  # CPU Adam (offloaded optimizer), per rank
     memory_is_host: bool = False  # cpu: what is offloaded to host memory stays in the rank's memory
+    # host RAM of a node of these GPUs when the plan is not for this machine (--host-memory):
+    # a DGX-class node's (DGX A100 320GB: 1 TiB; DGX A100 640GB, H100, H200: 2 TiB)
+    host_gib: float = 2048.0
+
+
+def machine_memory_gib() -> float | None:
+    """This machine's RAM in GiB (os.sysconf; psutil, imported only here, where sysconf has no
+    answer), capped by a cgroup memory limit where a container sets one; None if unknown."""
+    total = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not Linux / macOS
+        try:
+            import psutil
+
+            total = psutil.virtual_memory().total
+        except Exception:  # ImportError, or psutil without an answer
+            return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total / GIB
 
 
 def _cpu_memory_gib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            return int(f.readline().split()[1]) / 2**20
-    except OSError:  # pragma: no cover
-        return 16.0
+    return machine_memory_gib() or 16.0
+
+
+def _local_gpus() -> list[str]:
+    """The catalogue names of this machine's NVIDIA GPUs, from the driver's /proc entries (no
+    CUDA initialised, nothing imported); [] where there are none or no driver."""
+    import glob
+
+    names = []
+    for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
+        try:
+            with open(info) as f:
+                model = next((line.split(":", 1)[1] for line in f if line.startswith("Model:")), "")
+        except OSError:
+            continue
+        model = model.upper()
+        if "H200" in model:
+            names.append("h200")
+        elif "H100" in model:
+            names.append("h100-80g")
+        elif "A100" in model:
+            names.append("a100-40g" if "40GB" in model.replace(" ", "") else "a100-80g")
+        else:
+            names.append(model.strip().lower())
+    return names
 
 
 DEVICES = {
-    "a100-40g": Device("a100-40g", 40.0, 312.0, 300.0, 25.0, 25.0, 2.0),
+    "a100-40g": Device("a100-40g", 40.0, 312.0, 300.0, 25.0, 25.0, 2.0, host_gib=1024.0),
     "a100-80g": Device("a100-80g", 80.0, 312.0, 300.0, 25.0, 25.0, 2.0),
     "h100-80g": Device("h100-80g", 80.0, 989.0, 450.0, 50.0, 50.0, 2.0),
     "h200": Device("h200", 140.0, 989.0, 450.0, 50.0, 50.0, 2.0),
@@ -215,6 +264,18 @@ def get_device(
                 raise PlanError(f"{flag} must be positive, got {value}")
             device = replace(device, **{field: value})
     return device
+
+
+def default_host_memory(device: Device, gpus: int) -> tuple[float, str]:
+    """(GiB of host memory per node, where the number comes from) when --host-memory is not
+    given: this machine's RAM where the plan is for this machine (--gpu cpu, or this machine
+    has at least a node's worth, min(gpus, per node), of the named GPU), else the named GPU's
+    node default (Device.host_gib)."""
+    if device.memory_is_host or _local_gpus().count(device.name) >= min(gpus, device.per_node):
+        ram = machine_memory_gib()
+        if ram:
+            return ram, "this machine's RAM"
+    return device.host_gib, f"the default for a node of {device.name}; --host-memory to change"
 
 
 # ---------------------------------------------------------------------------- options

@@ -22,6 +22,7 @@ from easy_context.programs.plan.catalogue import (
     PRESETS,
     ZERO_CHOICES,
     PlanError,
+    default_host_memory,
     get_device,
     load_model,
 )
@@ -41,6 +42,7 @@ COLUMNS = [
     "loss chunk",
     "ZeRO / FSDP",
     "peak GiB/rank",
+    "host GiB/node",
     "fits",
     "tokens/s",
     "bound by",
@@ -59,7 +61,8 @@ def table_cells(rank: int, r: dict) -> list:
         str(r["loss_chunk_size"] or "whole"),
         r["zero"],
         f"{r['peak_gib']:.2f}",
-        "yes" if r["fits"] else "NO",
+        f"{r['host_gib']:.1f}",
+        "yes" if r["fits"] else "NO (host)" if r["fits_device"] else "NO",
         f"{r['tokens_per_s']:.0f}",
         r["limiter"],
     ]
@@ -75,6 +78,11 @@ def render(result: dict, rows: list, packed: bool = False) -> str:
         f"{result['dtype']}, "
         f"safety margin {result['margin']:.0%}",
     ]
+    if result.get("host_memory_gib") is not None:
+        out.append(
+            f"host memory {result['host_memory_gib']:.1f} GiB per node ({result.get('host_memory_source', 'given')}); "
+            "host GiB/node: what a node pins for offloaded checkpoints and ZeRO / FSDP CPU-offloaded states"
+        )
     if result["gpus"] > dev["per_node"]:
         out.append(
             f"{-(-result['gpus'] // dev['per_node'])} nodes of {dev['per_node']}: {dev['link_gbs']:g} GB/s per device "
@@ -99,6 +107,11 @@ def render(result: dict, rows: list, packed: bool = False) -> str:
         out.append(f"  memory at the peak ({best['peak_phase']}):")
         for k, v in best["terms_gib"].items():
             out.append(f"    {k}: {v:.2f} GiB")
+        if best["host_terms_gib"]:
+            n = best["host_ranks_per_node"]
+            out.append(f"  host memory: {best['host_gib']:.2f} GiB per node = {n} rank{'s' * (n > 1)} x:")
+            for k, v in best["host_terms_gib"].items():
+                out.append(f"    {k}: {v:.2f} GiB")
     return "\n".join(out)
 
 
@@ -130,6 +143,19 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--network-gbs", type=float, default=None, help="GB/s per device across nodes, one way (default: the GPU's)"
+    )
+    p.add_argument(
+        "--host-memory",
+        "--host-memory-gib",
+        dest="host_memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host RAM per node; a combination whose offloaded checkpoints and CPU-offloaded ZeRO / FSDP states "
+        "need more (less the margin) does not fit (default: this machine's RAM when the plan is for it, --gpu cpu "
+        "or a node's worth of the named GPU here; else the named GPU's node, "
+        + ", ".join(f"{k} {d.host_gib:g}" for k, d in DEVICES.items() if k == d.name and not d.memory_is_host)
+        + " GiB)",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (cpu: fp32)")
     p.add_argument(
@@ -184,6 +210,10 @@ def main(argv=None) -> int:
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise PlanError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if args.host_memory is not None:
+            host_gib, host_source = args.host_memory, "--host-memory"
+        else:
+            host_gib, host_source = default_host_memory(device, args.gpus)
         result = plan(
             model,
             args.seq_length,
@@ -196,7 +226,9 @@ def main(argv=None) -> int:
             args.zero,
             args.tiled_mlp,
             args.loss_chunk_size,
+            host_gib,
         )
+        result["host_memory_source"] = host_source
     except PlanError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -208,6 +240,14 @@ def main(argv=None) -> int:
     if result["recommendation"] is None:
         small = result["smallest"]
         more = f"{small['gpus']} x {args.gpu}" if small["gpus"] else "no GPU count up to 65536"
+        if small["host_why"]:  # some combinations fit the GPUs, none the host
+            print(
+                f"error: nothing fits {args.seq_length} tokens on {args.gpus} x {device.name} within the host memory: "
+                f"the combination that fits the GPUs with the least host memory {small['host_why']}; give "
+                f"--host-memory (at least {small['host_gib']} GiB), or use {more}",
+                file=sys.stderr,
+            )
+            return 3
         print(
             f"error: nothing fits {args.seq_length} tokens on {args.gpus} x {device.name} "
             f"({device.memory_gib:.1f} GiB, "

@@ -17,8 +17,10 @@ __all__ = [
     "default_chunk",
     "default_tile",
     "estimate",
+    "host_memory",
     "in_flight",
     "loss_bytes_per_token",
+    "offloads_checkpoints",
 ]
 
 
@@ -123,6 +125,45 @@ def _fsdp2_in_flight(setting: Sharding, model: ModelShape, world: int, a: int) -
 IN_FLIGHT = {"replicated": _replicated_in_flight, "zero3": _zero3_in_flight, "fsdp2": _fsdp2_in_flight}
 
 
+def _residual_bytes(setting: Sharding, a: int) -> int:
+    """Bytes of an element of the residual stream (the layer inputs checkpointing keeps, the
+    hidden-state gradients): fp32 where the weights are fp32 (DDP rows: bf16 autocast leaves
+    it fp32), else the training dtype's `a`."""
+    return 4 if setting.residual_fp32 else a
+
+
+def offloads_checkpoints(o: Options, device: Device) -> bool:
+    """Checkpointed layer inputs go to host memory: checkpointing with offload, on a device
+    whose memory is not the host's (train.py offloads nothing on the CPU)."""
+    return o.checkpointing and o.offload_checkpoints and not device.memory_is_host
+
+
+def host_memory(model: ModelShape, seq: int, gpus: int, o: Options, device: Device, dtype: str = "bf16") -> dict:
+    """Host (CPU, pinned) memory of one node for what the plan offloads, with its terms per rank
+    (docs/planner.md, "Host memory"). Per rank:
+
+      offloaded checkpoints  L x S / sp x h x b   (one layer input per layer; b: the residual
+                                                  stream's bytes, memory.py's hb)
+      host model states      the setting's host terms (sharding.py), bytes per parameter x N / W
+                             where sharded (ZeRO-3 / FSDP2 offload), x N where not
+
+    and a node holds min(gpus, devices per node) ranks. On a device whose memory is the host's
+    (cpu) nothing is extra: what these settings keep on the host is in the rank's peak."""
+    a = 4 if dtype == "fp32" else 2
+    setting = SHARDINGS[o.zero]
+    terms = {}
+    if not device.memory_is_host:
+        if offloads_checkpoints(o, device):
+            terms["offloaded checkpoints"] = model.layers * (seq // o.sp) * model.hidden * _residual_bytes(setting, a)
+        share = gpus if setting.sharded else 1
+        for t in setting.states:
+            if t.host:
+                terms[t.label] = t.bytes_per_param(a) * model.params / share
+    ranks = min(gpus, device.per_node)
+    per_rank = sum(terms.values())
+    return {"per_node": ranks * per_rank, "per_rank": per_rank, "ranks_per_node": ranks, "terms": terms}
+
+
 def estimate(
     model: ModelShape,
     seq: int,
@@ -135,9 +176,8 @@ def estimate(
     """Per-rank peak memory (bytes) of one training step, with its terms, for options `o`."""
     a = 4 if dtype == "fp32" else 2
     setting = SHARDINGS[o.zero]
-    # the residual stream (layer inputs kept by checkpointing, hidden-state gradients): fp32
-    # where the weights are fp32 (DDP rows: bf16 autocast leaves it fp32), else the dtype
-    hb = 4 if setting.residual_fp32 else a
+    hb = _residual_bytes(setting, a)  # the residual stream: layer inputs kept by checkpointing, hidden grads
+    offloaded = offloads_checkpoints(o, device)
     s = seq // o.sp
     L, h = model.layers, model.hidden
     N, W = model.params, gpus
@@ -167,7 +207,7 @@ def estimate(
     hidden_grad = hb * h
     final_norm = 4 * h + 2 * a * h
     if o.checkpointing:
-        saved_per_layer = 0 if o.offload_checkpoints else hb * h
+        saved_per_layer = 0 if offloaded else hb * h  # offloaded: host_memory
         saved_layers = L * saved_per_layer
     else:
         saved_layers = L * (act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]))
@@ -191,9 +231,7 @@ def estimate(
     # its attention part with the mode's buffers.
     recompute = 0
     if o.checkpointing:
-        recompute = (
-            act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]) + (hb * h if o.offload_checkpoints else 0)
-        )
+        recompute = act["attn"] + act["mlp_in"] + (0 if tiled else act["mlp"]) + (hb * h if offloaded else 0)
     i = model.active_intermediate
     mlp_tmp = 6 * a * i * min(o.tiled_mlp, s) if tiled else 2 * a * i * s  # tile: recomputed + grads; whole: grads
     common = {

@@ -14,7 +14,7 @@ from easy_context.programs.plan.catalogue import (
     Options,
     PlanError,
 )
-from easy_context.programs.plan.memory import default_chunk, default_tile, estimate
+from easy_context.programs.plan.memory import default_chunk, default_tile, estimate, host_memory
 from easy_context.programs.plan.sharding import SHARDINGS
 from easy_context.programs.plan.speed import throughput
 
@@ -23,6 +23,7 @@ __all__ = [
     "check_layout",
     "complexity",
     "flags_of",
+    "host_verdict",
     "layout_multiple",
     "layouts",
     "plan",
@@ -86,10 +87,26 @@ def candidate_options(model: ModelShape, seq: int, layout, zero_choices, tile: i
                     yield Options(mode, sp, ring, ckpt, off, t, c, z)
 
 
-def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads=True) -> dict:
+def host_verdict(need_bytes: float, host_memory_gib: float | None, margin: float) -> str | None:
+    """None when a node's host memory holds `need_bytes` within the margin (or no host memory
+    is given), else the one-line reason, naming both numbers."""
+    if host_memory_gib is None or need_bytes <= host_memory_gib * GIB * (1 - margin):
+        return None
+    return (
+        f"needs {need_bytes / GIB:.1f} GiB of host memory per node, the host has {host_memory_gib:.1f} GiB "
+        f"({host_memory_gib * (1 - margin):.1f} within the {margin:.0%} margin)"
+    )
+
+
+def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads=True, host_memory_gib=None) -> dict:
+    """One combination: its predicted peak per rank, host memory per node (host_memory), speed,
+    and whether it fits: the peak within the device's memory less the margin and, where
+    `host_memory_gib` is given, the host memory within the host's less the margin."""
     mem = estimate(model, seq, gpus, o, device, dtype, persistent_grads)
+    host = host_memory(model, seq, gpus, o, device, dtype)
     tp = throughput(model, seq, gpus, o, device, dtype)
     budget = device.memory_gib * GIB * (1 - margin)
+    host_why = host_verdict(host["per_node"], host_memory_gib, margin)
     return {
         "mode": o.mode,
         "sp_size": o.sp,
@@ -102,12 +119,17 @@ def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads
         "loss_chunk_size": o.loss_chunk,
         "zero": o.zero,
         "peak_gib": round(mem["peak_bytes"] / GIB, 3),
-        "fits": mem["peak_bytes"] <= budget,
+        "host_gib": round(host["per_node"] / GIB, 3),
+        "fits": mem["peak_bytes"] <= budget and host_why is None,
+        "fits_device": mem["peak_bytes"] <= budget,
+        "host_why": host_why,
         "tokens_per_s": round(tp["tokens_per_s"], 1),
         "step_s": round(tp["step_s"], 3),
         "limiter": tp["limiter"],
         "peak_phase": mem["peak_phase"],
         "terms_gib": {k: round(v / GIB, 3) for k, v in mem["terms"].items()},
+        "host_terms_gib": {k: round(v / GIB, 3) for k, v in host["terms"].items()},  # per rank
+        "host_ranks_per_node": host["ranks_per_node"],
     }
 
 
@@ -162,13 +184,19 @@ def plan(
     zero_choices=None,
     tile: int | None = None,
     chunk: int | None = None,
+    host_memory_gib: float | None = None,
 ) -> dict:
+    """Every combination as a row, best first, and the recommendation: the fastest that fits.
+    host_memory_gib: the host RAM of a node; a row whose host memory (host_memory) exceeds it
+    less the margin does not fit (None: not checked; the CLI always gives one)."""
     if seq < 1:
         raise PlanError(f"--seq-length must be positive, got {seq}")
     if gpus < 1:
         raise PlanError(f"--gpus must be positive, got {gpus}")
     if not 0 <= margin < 1:
         raise PlanError(f"--margin must be in [0, 1), got {margin}")
+    if host_memory_gib is not None and host_memory_gib <= 0:
+        raise PlanError(f"--host-memory must be positive, got {host_memory_gib}")
     dtype = dtype or ("fp32" if device.name == "cpu" else "bf16")
     zero_choices = tuple(zero_choices or ZERO_CHOICES)
     if all(SHARDINGS[z].min_world > gpus for z in zero_choices):
@@ -196,7 +224,7 @@ def plan(
         hint = f" Sequence lengths must divide by one of {multiples}." if multiples else ""
         raise PlanError(f"no mode runs {seq} tokens on {gpus} GPUs with these settings ({reasons}).{hint}")
     rows = [
-        row_of(model, seq, gpus, o, device, dtype, margin)
+        row_of(model, seq, gpus, o, device, dtype, margin, host_memory_gib=host_memory_gib)
         for layout in ok
         for o in candidate_options(model, seq, layout, zero_choices, tile, chunk, gpus)
     ]
@@ -219,28 +247,35 @@ def plan(
         "margin": margin,
         "tile": tile,
         "chunk": chunk,
+        "host_memory_gib": host_memory_gib,
         "recommendation": best,
         "rows": rows,
         "refused": [{"mode": m, "sp_size": s, "ring_degree": r, "why": w} for m, s, r, w in refused],
     }
     if best is None:
         result["smallest"] = smallest_fit(
-            model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk
+            model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk, host_memory_gib
         )
     return result
 
 
-def smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk) -> dict:
-    """The least memory per GPU that would fit at this GPU count, and the fewest GPUs (doubling
-    --gpus, sequence parallelism over all of them) that fit at this memory."""
+def smallest_fit(
+    model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes, zero_choices, tile, chunk, host_memory_gib=None
+) -> dict:
+    """The least memory per GPU that would fit at this GPU count; where some rows fit the GPUs
+    and none the host, the least host memory per node of those (host_gib, with the reason of
+    the one that needs least: host_why); and the fewest GPUs (doubling --gpus, sequence
+    parallelism over all of them) that fit at this memory."""
     need_gib = min(r["peak_gib"] for r in rows) / (1 - margin)
+    on_device = [r for r in rows if r["fits_device"]]
+    least_host = min(on_device, key=lambda r: r["host_gib"]) if on_device else None
     more = None
     g = gpus
     while g < 1 << 16:
         g = g * 2
         ok, _ = layouts(model, seq, g, None, modes)
         fits = [
-            row_of(model, seq, g, o, device, dtype, margin)
+            row_of(model, seq, g, o, device, dtype, margin, host_memory_gib=host_memory_gib)
             for layout in ok
             if layout[1] == g
             for o in candidate_options(model, seq, layout, zero_choices, tile, chunk, g)
@@ -248,4 +283,9 @@ def smallest_fit(model, seq, gpus, device, dtype, margin, rows, sp_sizes, modes,
         if any(r["fits"] for r in fits):
             more = g
             break
-    return {"memory_gib": round(need_gib, 1), "gpus": more}
+    return {
+        "memory_gib": round(need_gib, 1),
+        "gpus": more,
+        "host_gib": round(least_host["host_gib"] / (1 - margin), 1) if least_host else None,
+        "host_why": least_host["host_why"] if least_host else None,
+    }

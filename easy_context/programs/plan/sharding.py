@@ -160,6 +160,22 @@ SHARDINGS = {
             options=2,
             **_FSDP2,
         ),
+        # The long-context headline (benchmarks/bench_long_context.py; train.py --param-dtype bf16
+        # --optimizer sgd): weights and gradients in the training dtype, no optimizer state.
+        Sharding(
+            "bf16-sgd",
+            "one device or DDP, train.py --param-dtype bf16 --optimizer sgd",
+            "--param-dtype bf16 --optimizer sgd",
+            (
+                StateTerm("weights", "weights", "train"),
+                StateTerm("gradients", "gradients", "train", between_steps=False),
+                StateTerm("DDP gradient buckets", "gradients", "train", distributed_only=True),
+            ),
+            sharded=False,
+            gathers="replicated",
+            reduce_dtype="train",
+            planned=False,
+        ),
         # The validation's one-step runs (benchmarks/bench_train.py): weights, no optimizer;
         # gradients kept between steps or not (memory.estimate's persistent_grads).
         Sharding(

@@ -5,12 +5,34 @@ from __future__ import annotations
 
 from easy_context.modes import get_mode
 from easy_context.programs.plan.catalogue import Device, ModelShape, Options
-from easy_context.programs.plan.memory import attention_shape
+from easy_context.programs.plan.memory import attention_shape, offloads_checkpoints
 from easy_context.programs.plan.sharding import SHARDINGS
 
-__all__ = ["EFFICIENCY", "sharding_seconds", "throughput"]
+__all__ = ["ATTENTION_EFFICIENCY", "EFFICIENCY", "efficiency", "sharding_seconds", "throughput"]
 
-EFFICIENCY = 0.5  # achieved fraction of the device's peak on the FLOPs actually executed
+# The roofline's efficiency: the achieved fraction of a device's peak on the FLOPs executed.
+# Its one place; docs/planner.md ("Roofline") repeats it.
+#
+# EFFICIENCY: the layers' matmuls, the output layer and, on devices without a measurement
+# below, the attention. UNCALIBRATED: no training step of a model has run on a GPU here
+# (docs/benchmarks.md has none), so 0.5 is an assumption. With it the roofline is within
+# 0.87-0.98 of EasyContext's published A100 tokens/s at four lengths of five (planner.md,
+# table 3): a check, not a fit. Recalibrate from a measured step's MFU when there is one (issue
+# 57's long-context benchmark).
+EFFICIENCY = 0.5
+# ATTENTION_EFFICIENCY: causal attention, forward + backward, calibrated from the first GPU run
+# (one H200, docs/benchmarks.md, "The first GPU run": `scripts/gpu_check.sh`'s bench, bf16,
+# 32 x 128 query heads over 8 KV heads, S = 32K, the FLOPs counted as here, 3.5 x 2 S^2 q):
+# flash SDPA 327 TFLOP/s, the cuda_flash kernel the modes run 1.00x of it, zigzag_ring_attn and
+# dist_flash_attn at P = 1 1.01x, i.e. 324-327 of the 989 TFLOPS peak = 0.33 (0.28 at S = 8K;
+# the long sequences the planner is for are nearer the 32K figure). The H100 is the same chip
+# at the same peak; its figure is assumed equal, not measured. A100: not measured (EFFICIENCY).
+ATTENTION_EFFICIENCY = {"h200": 0.33, "h100-80g": 0.33}
+
+
+def efficiency(device: Device) -> tuple[float, float]:
+    """(matmuls and the rest, attention): the fractions of `device`'s peak the roofline assumes."""
+    return EFFICIENCY, ATTENTION_EFFICIENCY.get(device.name, EFFICIENCY)
 
 
 def sharding_seconds(model: ModelShape, gpus: int, o: Options, device: Device, a: int, link_bytes_per_s: float):
@@ -40,24 +62,42 @@ def sharding_seconds(model: ModelShape, gpus: int, o: Options, device: Device, a
     return t_sharding, t_optim
 
 
-def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Device, dtype: str = "bf16") -> dict:
-    """Seconds per step (one sequence of `seq` tokens per SP group) and tokens/s of the job."""
-    a = 4 if dtype == "fp32" else 2
-    s = seq // o.sp
+def step_flops(model: ModelShape, seq: int, o: Options) -> dict:
+    """FLOPs per token of a training step at `seq` tokens (per sequence), by what runs them:
+      model      the model's math, what MFU counts: 6 x the weights a token multiplies, and 3 x
+                 causal attention's forward (QK^T and PV over half the S x S pairs)
+      matmuls    executed outside attention: the model's, plus the forwards run again
+                 (checkpointed layers, MLP tiles, loss chunks)
+      attention  executed in attention: flash's backward recomputes the scores (3.5 x the
+                 forward), a checkpointed layer's forward runs twice unless the mode keeps it
+    matmuls + attention is what HFU counts."""
     L, h, q = model.layers, model.hidden, model.q
     mode = get_mode(o.mode)
     P = model.matmul_params_per_token
     attn_fwd = 2 * seq * q * L  # causal QK^T + PV per token, all layers
-    flops = 6 * P + 3.5 * attn_fwd  # fwd + bwd (flash backward recomputes the scores)
+    attention = 3.5 * attn_fwd  # fwd + bwd (flash backward recomputes the scores)
+    matmuls = 6 * P
     if o.checkpointing:
-        flops += 2 * (P - model.vocab * h)  # layers' forward again
+        matmuls += 2 * (P - model.vocab * h)  # layers' forward again
         if not mode.keeps_attention_output:
-            flops += attn_fwd  # attention forward again
-    if 0 < o.tiled_mlp < s:
-        flops += 2 * 3 * h * model.active_intermediate * L  # each tile's MLP forward again
+            attention += attn_fwd  # attention forward again
+    if 0 < o.tiled_mlp < seq // o.sp:
+        matmuls += 2 * 3 * h * model.active_intermediate * L  # each tile's MLP forward again
     if mode.sequence_parallel or o.loss_chunk:
-        flops += 2 * model.vocab * h  # output layer forward again (train.py checkpoints each loss chunk)
-    t_compute = s * flops / (device.tflops * 1e12 * EFFICIENCY)
+        matmuls += 2 * model.vocab * h  # output layer forward again (train.py checkpoints each loss chunk)
+    return {"model": 6 * P + 3 * attn_fwd, "matmuls": matmuls, "attention": attention}
+
+
+def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Device, dtype: str = "bf16") -> dict:
+    """Seconds per step (one sequence of `seq` tokens per SP group) and tokens/s of the job."""
+    a = 4 if dtype == "fp32" else 2
+    s = seq // o.sp
+    L, h = model.layers, model.hidden
+    mode = get_mode(o.mode)
+    counted = step_flops(model, seq, o)
+    eff, attn_eff = efficiency(device)
+    t_compute = s * (counted["matmuls"] / eff + counted["attention"] / attn_eff) / (device.tflops * 1e12)
+    flops = counted["matmuls"] + counted["attention"]
 
     # Ranks fill nodes in order, min(per_node, gpus) to a node. A group of `group` ranks `stride`
     # apart starts at a multiple of its span (group x stride consecutive ranks): it stays on one
@@ -82,7 +122,7 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
         t_a2a = L * all_to_all_bytes / bw(o.ulysses_degree)
     t_zero, t_optim = sharding_seconds(model, gpus, o, device, a, bw(gpus))
     t_offload = 0.0
-    if o.checkpointing and o.offload_checkpoints:  # on the compute stream (transformers): not overlapped
+    if offloads_checkpoints(o, device):  # on the compute stream (transformers): not overlapped
         t_offload = 2 * L * a * h * s / (device.pcie_gbs * 1e9)
     bound = {"compute": t_compute, "ring P2P": t_ring, "ZeRO-3 / FSDP2 gathers": t_zero}
     overlapped = max(bound.values())

@@ -20,7 +20,8 @@ from easy_context.programs.launch import add_dist_timeout_flag, add_parallel_mod
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO_BASE = ROOT / "models" / "demo-base"  # scripts/pretrain_demo_base.py's model, shipped
-SCRATCH_CONFIG = ROOT / "configs" / "tiny-llama"  # --from-scratch: random weights, byte tokenizer
+CONFIGS = ROOT / "configs"  # --from-config NAME: configs/NAME/config.json (model shapes, no weights)
+SCRATCH_CONFIG = CONFIGS / "tiny-llama"  # --from-scratch: --from-config tiny-llama
 DEFAULT_RETRIEVAL_FRACTION = 0.5  # the byte-level corpus: half the rows teach retrieval (the demo's numbers)
 # Flags that default differently per job: the default job extends the shipped base from 512 to
 # 2,048 tokens. Its RoPE base: in single-process probes at 2,048 tokens (the same data and
@@ -86,6 +87,32 @@ def _from_scratch(name, value, args):
     return None
 
 
+def config_path(name_or_path: str) -> Path | None:
+    """--from-config's value as a config.json: a file, a folder holding one, or a shipped
+    preset's name (configs/NAME/config.json); None where there is none."""
+    for candidate in (Path(name_or_path), CONFIGS / name_or_path):
+        if candidate.is_file():
+            return candidate
+        if (candidate / "config.json").is_file():
+            return candidate / "config.json"
+    return None
+
+
+def presets() -> list[str]:
+    return sorted(path.parent.name for path in CONFIGS.glob("*/config.json"))
+
+
+def _from_config(name, value, args):
+    if value is None:
+        return None
+    if args.model is not None or args.from_scratch:
+        other = f"--model {args.model}" if args.model is not None else "--from-scratch"
+        return f"--from-config builds a model with random weights; drop {other} or --from-config"
+    if config_path(value) is None:
+        return f"--from-config {value}: no such config.json, folder or preset (presets: {', '.join(presets())})"
+    return None
+
+
 def _retrieval_fraction(name, value, args):
     if value is not None and (args.dataset is not None or not 0 <= value <= 1):
         return f"--retrieval-fraction applies to the embedded corpus (no --dataset) and must be in [0, 1], got {value}"
@@ -115,10 +142,10 @@ def _lora_r(name, value, args):
     if value is None:
         return None
     errors = [f"--lora-r must be >= 1, got {value}"] if value < 1 else []
-    if args.from_scratch:
+    if args.from_scratch or args.from_config:
         errors.append(
-            "--lora-r needs pretrained weights to adapt (the adapter is saved against them); --from-scratch "
-            "starts from random ones"
+            "--lora-r needs pretrained weights to adapt (the adapter is saved against them); "
+            f"{'--from-scratch' if args.from_scratch else '--from-config'} starts from random ones"
         )
     return "; ".join(errors) or None
 
@@ -155,6 +182,22 @@ GROUPS = [
                 _from_scratch,
                 action="store_true",
                 help="train the tiny Llama of configs/tiny-llama from random weights, with a byte tokenizer, instead",
+            ),
+            flag(
+                "--from-config",
+                _from_config,
+                default=None,
+                metavar="PATH|NAME",
+                help="build the model from a config.json (a file, a folder, or a shipped preset under configs/: "
+                "llama-3.1-8b, qwen3-8b, mistral-7b, tiny-llama, ...) with random weights, directly on the device in "
+                "--param-dtype, and a byte tokenizer; no weights are read",
+            ),
+            flag(
+                "--param-dtype",
+                choices=["fp32", "bf16"],
+                default="fp32",
+                help="the parameters' dtype (fp32: the default; bf16 halves weights, gradients and optimizer "
+                "state; DeepSpeed keeps its own fp32 master weights whatever this says)",
             ),
             flag(
                 "--rope-theta",
@@ -341,6 +384,12 @@ GROUPS = [
             ),
             flag("--weight-decay", type=float, default=0.0),
             flag(
+                "--optimizer",
+                choices=["adamw", "sgd"],
+                default="adamw",
+                help="adamw (default; two states per parameter) or sgd (plain, no state: the memory headline's)",
+            ),
+            flag(
                 "--skip-nonfinite-steps",
                 at_least(0),
                 type=int,
@@ -355,6 +404,11 @@ GROUPS = [
         "checkpoints",
         [
             flag("--output-dir", default="outputs/tiny-llama"),
+            flag(
+                "--no-save",
+                action="store_true",
+                help="do not save the model at the end (benchmarks of an 8B shape: 16-32 GB each)",
+            ),
             flag(
                 "--checkpointing-steps",
                 at_least(0),
@@ -408,7 +462,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     """The flags, with each job's defaults filled in; a failed check exits 2 with every reason."""
     p = parser(description)
     args = p.parse_args(argv)
-    job = "demo" if args.model is None and not args.from_scratch else "other"
+    job = "demo" if args.model is None and not args.from_scratch and args.from_config is None else "other"
     for name, value in JOB_DEFAULTS[job].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -422,6 +476,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         p.error("; ".join(errors))
     if job == "demo":
         args.model = str(DEMO_BASE)
+    if args.from_scratch:
+        args.from_config = str(SCRATCH_CONFIG)
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.max_train_steps // 10)
     return args

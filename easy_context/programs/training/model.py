@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import easy_context as ec
-from easy_context.hf.architectures import check_training_config
+from easy_context.hf.architectures import attn_implementation, check_training_config
 from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
 from easy_context.programs import fsdp
@@ -15,7 +15,7 @@ from easy_context.programs.lora import adapter_base, add_lora
 from easy_context.programs.loss import CausalLMLoss
 from easy_context.programs.models import check_config, load_config, load_pretrained
 from easy_context.programs.tiled_mlp import tile_mlps
-from easy_context.programs.training.flags import SCRATCH_CONFIG
+from easy_context.programs.training.flags import config_path
 from easy_context.programs.training.run import Run, fail
 from easy_context.versions import enable_activation_checkpointing
 
@@ -24,10 +24,11 @@ def build_model(run: Run):
     """(the model with its loss, patched for sequence parallelism; the tokenizer)."""
     args, accelerator = run.args, run.accelerator
     run.stage.at("loading the model")
-    # bf16 weights only where DeepSpeed keeps fp32 master weights; otherwise fp32 weights
-    # (with --mixed_precision bf16, accelerate autocasts the compute).
+    # bf16 weights where asked (--param-dtype bf16) or where DeepSpeed keeps fp32 master
+    # weights; otherwise fp32 weights (with --mixed_precision bf16, accelerate autocasts the compute).
     deepspeed_bf16 = run.deepspeed is not None and accelerator.mixed_precision == "bf16"
-    model, tokenizer = load_model(args, torch.bfloat16 if deepspeed_bf16 else torch.float32, accelerator.device)
+    dtype = torch.bfloat16 if deepspeed_bf16 or args.param_dtype == "bf16" else torch.float32
+    model, tokenizer = load_model(args, dtype, accelerator.device)
     if args.offload_checkpoints and accelerator.device.type == "cpu":
         accelerator.print(
             "--offload-checkpoints: the device is the CPU, so checkpointed layer inputs already live in host "
@@ -76,10 +77,16 @@ def load_model(args, dtype, device):
     from transformers import AutoModelForCausalLM
 
     try:
-        if args.from_scratch:  # random weights, byte tokenizer
-            config = load_config(str(SCRATCH_CONFIG), args.rope_theta)
+        if args.from_config:  # random weights, byte tokenizer
+            config = load_config(str(config_path(args.from_config)), args.rope_theta)
+            if config.vocab_size < len(byte_tokenizer()):
+                fail(f"--from-config {args.from_config}: vocab_size {config.vocab_size} is below the byte tokenizer's")
             torch.manual_seed(args.seed)
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+            # Initialised where it runs, in its dtype: an 8B shape never exists in fp32 on the host.
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(
+                    config, attn_implementation=attn_implementation(config), dtype=dtype
+                )
             tokenizer = byte_tokenizer()
         elif adapter_base(args.model) is not None:
             fail(
@@ -89,7 +96,7 @@ def load_model(args, dtype, device):
         else:
             model, tokenizer = load_pretrained(args.model, args.rope_theta, dtype)
     except (ValueError, OSError) as error:
-        fail(f"--model {args.model or SCRATCH_CONFIG}: {error}")
+        fail(f"--model {args.model or args.from_config}: {error}")
     if args.activation_checkpointing:
         # On a CPU device the checkpointed inputs already live in host memory, and transformers'
         # offload pins its copies, which needs an accelerator: there the flag changes nothing.
@@ -109,9 +116,13 @@ def build_optimizer(run: Run, trainable):
         ds_config["train_micro_batch_size_per_gpu"] = args.batch_size
     params = [p for p in trainable.parameters() if p.requires_grad]
     if "optimizer" in ds_config:  # the DeepSpeed json builds it; "auto" values come from our flags
+        if args.optimizer != "adamw":
+            fail(f"--optimizer {args.optimizer}: the DeepSpeed config builds its own optimizer; drop one of them")
         from accelerate.utils import DummyOptim  # exported only when deepspeed is installed
 
         optimizer = DummyOptim(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    elif args.optimizer == "sgd":  # no state: the memory a long-context headline is measured with
+        optimizer = torch.optim.SGD(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     if "scheduler" in ds_config:

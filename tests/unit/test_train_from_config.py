@@ -1,0 +1,60 @@
+"""train.py --from-config (issue 57): a model shape from a config with random weights, built on
+the device in --param-dtype, with --optimizer and --no-save. End to end under torchrun:
+tests/programs/test_train.py (--from-config tiny-llama trains exactly as --from-scratch)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from easy_context.programs.training import flags
+from easy_context.programs.training.model import build_optimizer, load_model
+
+
+def test_the_8b_preset_is_llama_3_1_8b_and_builds_on_the_meta_device():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(flags.config_path("llama-3.1-8b")))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama-3.1-8B's count
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {"llama-3.1-8b", "qwen3-8b", "mistral-7b", "tiny-llama"} <= set(flags.presets())
+
+
+def test_a_tiny_config_in_bf16_with_sgd_builds_where_it_runs():
+    args = flags.parse_args(["--from-config", "tiny-llama", "--param-dtype", "bf16", "--optimizer", "sgd", "--no-save"])
+    assert (args.model, args.learning_rate, args.max_train_steps, args.no_save) == (None, 1e-3, 60, True)
+    model, tokenizer = load_model(args, torch.bfloat16, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config.num_hidden_layers == 4 and len(tokenizer) <= model.config.vocab_size
+    run = types.SimpleNamespace(args=args, deepspeed=None, world=1)
+    optimizer, _ = build_optimizer(run, model)
+    assert type(optimizer) is torch.optim.SGD
+
+
+def test_from_config_weights_are_from_scratch_weights():
+    scratch = flags.parse_args(["--from-scratch"])
+    named = flags.parse_args(["--from-config", str(flags.SCRATCH_CONFIG / "config.json")])
+    assert scratch.from_config == str(flags.SCRATCH_CONFIG)
+    a, _ = load_model(scratch, torch.float32, torch.device("cpu"))
+    b, _ = load_model(named, torch.float32, torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--from-config", "no-such-shape"], "--from-config no-such-shape: no such config.json, folder or preset"),
+        (["--from-config", "tiny-llama", "--model", "M"], "drop --model M or --from-config"),
+        (["--from-config", "tiny-llama", "--lora-r", "8"], "--from-config starts from random ones"),
+        (["--optimizer", "lion"], "invalid choice: 'lion'"),
+        (["--param-dtype", "fp16"], "invalid choice: 'fp16'"),
+    ],
+)
+def test_bad_from_config_flags_are_refused_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        flags.parse_args(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
