@@ -29,6 +29,7 @@ Package map (rooms; docs/architecture.md draws them):
     core/       the engine, never imports transformers: kernels, backends/, masking, global_mask,
                 executor (rounds of units, prefetch, send-back), blocks, ring, p2p, collectives,
                 layout, balance, groups, remat
+    mixers/     sequence mixers besides attention (convolutions, scans) under both strategies
     modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in
                 __init__, the pieces of their cost declarations in costs.py
     hf/         the transformers integration: context (SequenceParallel), api, patch, admission, mask_check,

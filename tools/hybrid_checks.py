@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from tools import sweep_models
+from tools import exact_step
 
 __all__ = [
     "DOCUMENTS",
@@ -29,7 +29,7 @@ __all__ = [
     "with_long_memory",
 ]
 
-# two rows of sweep_models.SEQ = 128 tokens: documents that start inside runs (zigzag's runs are
+# two rows of exact_step.SEQ = 128 tokens: documents that start inside runs (zigzag's runs are
 # 32 tokens at 2 ranks, ulysses' 64) and at a run's first token, one shorter than a convolution's
 # halo; and one document
 DOCUMENTS = ([40, 50, 38], [64, 2, 62])
@@ -45,7 +45,7 @@ def takes_positions(model) -> bool:
 
 def packed_batch():
     """(input_ids, position_ids, target_ids) of two packed rows (DOCUMENTS)."""
-    input_ids, target_ids = sweep_models._batch()
+    input_ids, target_ids = exact_step.batch()
     input_ids, target_ids = input_ids.repeat(2, 1), target_ids.repeat(2, 1)
     input_ids[1] = input_ids[1].flip(0)
     position_ids = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in DOCUMENTS])
@@ -143,7 +143,7 @@ def run(model, rank: int, world_size: int, mode: str = "zigzag_ring_attn") -> di
             apply_seq_parallel_monkey_patch(mode, patched)
             input_ids, position_ids, target_ids = packed_batch()
             local = prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, "cpu")
-            got = sweep_models._step(
+            got = exact_step.step(
                 patched,
                 local["local_input_ids"],
                 local["local_position_ids"],
@@ -155,7 +155,7 @@ def run(model, rank: int, world_size: int, mode: str = "zigzag_ring_attn") -> di
         finally:
             remove_seq_parallel_monkey_patch()
         if seen:
-            results[f"packed+{mode}"] = list(sweep_models._errors((logits, *got[1:]), want))
+            results[f"packed+{mode}"] = list(exact_step.errors((logits, *got[1:]), want))
         else:
             notes.append("packed rows are one document to its mixers (the model shows them no position_ids)")
     else:
@@ -170,7 +170,7 @@ def run(model, rank: int, world_size: int, mode: str = "zigzag_ring_attn") -> di
     same, error = compare_generation(remembering, mode, *prompts(2, 42, (0, 9)))
     key = f"generate+{mode}"
     if same:
-        results[key] = [error, 0.0, 0.0, error / sweep_models.LOGITS_TOL]
+        results[key] = [error, 0.0, 0.0, error / exact_step.LOGITS_TOL]
     else:
         results[key] = {"error": f"generate: other tokens than one process's model.generate (logits {error:.1e})"}
     return {**results, "_notes": notes}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "released_configs"
-ORIGINAL_CONTEXT = 64  # shorter than sweep_models.SEQ
+ORIGINAL_CONTEXT = 64  # shorter than exact_step.SEQ
 _NOT_FIELDS = {"architectures", "transformers_version", "torch_dtype", "dtype", "auto_map", "quantization_config"}
 
 

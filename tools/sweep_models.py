@@ -37,12 +37,8 @@ import tempfile
 import time
 import traceback
 
-SEQ = 128
-MODES = ("zigzag_ring_attn", "ulysses_attn", "dist_flash_attn")  # one mode of each family
-LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py
-# A gradient entry this far below the model's largest is fp32 rounding whatever its parameter:
-# 1e-6 of the largest is ten times fp32's epsilon.
-FLOOR_OF_LARGEST = 1e-6
+from tools.exact_step import MODES, batch, errors, step
+
 STALL_SECONDS = 90  # a type that runs this long without finishing is marked hung
 MAX_PARAMETERS = 3_000_000  # a tiny config larger than this is a shrinking bug, not a model to run
 
@@ -102,55 +98,6 @@ def static_reason(model_type: str) -> str | None:
 
 
 # ---------------------------------------------------------------------- one rank
-def _errors(got, want, truth=None):
-    """[logits, loss, grads] errors of `got` against the one-process fp32 run `want`, and the
-    share of its bound that the worst quantity uses (<= 1: exact). A quantity's bound is the
-    architecture tests' (LOGITS_TOL, LOSS_TOL absolute; GRAD_TOL relative to the parameter's
-    largest gradient), or, where the one-process fp32 model is itself further than that from
-    the fp64 `truth`, twice its own error: an ill-conditioned gradient (DiffLlama's lambdas:
-    1.5e-4 relative in one process) or one that is zero in exact arithmetic (OPT's key bias)
-    is held to what fp32 can give, not to a bound fp32 cannot meet."""
-    logits = (got[0] - want[0]).abs().max().item()
-    loss = abs(got[1] - want[1])
-    grad, used = 0.0, 0.0
-    if truth is None:
-        truth = want
-    largest = max(g.abs().max().item() for g in truth[2].values())
-    used = max(
-        (got[0] - truth[0]).abs().max().item() / max(LOGITS_TOL, 2 * (want[0] - truth[0]).abs().max().item()),
-        abs(got[1] - truth[1]) / max(LOSS_TOL, 2 * abs(want[1] - truth[1])),
-    )
-    for name, g in want[2].items():
-        grad = max(grad, ((got[2][name] - g).abs().max() / g.abs().max().clamp(min=1e-12)).item())
-        exact = truth[2][name]
-        bound = max(GRAD_TOL * exact.abs().max().item(), 2 * (g - exact).abs().max().item(), FLOOR_OF_LARGEST * largest)
-        used = max(used, (got[2][name] - exact).abs().max().item() / bound)
-    return logits, loss, grad, used
-
-
-def _step(model, input_ids, position_ids, target_ids, group, attention_mask=None):
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    logits = model(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-    ).logits
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    loss_sum = F.cross_entropy(logits.flatten(0, 1), target_ids.flatten(), ignore_index=-100, reduction="sum")
-    stats = torch.stack([loss_sum.detach(), (target_ids != -100).sum().to(loss_sum.dtype)])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    (loss_sum / stats[1]).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
-        if group is not None:
-            dist.all_reduce(grad, group=group)
-        grads[name] = grad
-    return logits.detach(), (stats[0] / stats[1]).item(), grads
-
-
 def tiny_model(model_type: str, **overrides):
     """The type's tiny model (tools/tiny_configs.py), with config fields `overrides` set."""
     import torch
@@ -172,18 +119,6 @@ def tiny_model(model_type: str, **overrides):
             if name.endswith("sinks"):
                 param.normal_(0.0, 1.0)
     return model
-
-
-def _batch():
-    import torch
-
-    from tools.tiny_configs import VOCAB
-
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, VOCAB, (1, SEQ + 1), generator=g)
-    input_ids, target_ids = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-    target_ids[:, : SEQ // 8] = -100
-    return input_ids, target_ids
 
 
 def features(model) -> list[str]:
@@ -260,14 +195,14 @@ def run_type(model_type: str, rank: int, world_size: int, modes=MODES, **overrid
     from easy_context.hf import mixers as hf_mixers
     from easy_context.mixers import STRATEGIES
 
-    input_ids, target_ids = _batch()
+    input_ids, target_ids = batch()
     try:  # on every rank, so that every rank stops here alike when the model cannot run at all
         model = tiny_model(model_type, **overrides)
-        want = _step(copy.deepcopy(model), input_ids, None, target_ids, None)
+        want = step(copy.deepcopy(model), input_ids, None, target_ids, None)
     except Exception as error:  # noqa: BLE001 - every failure is a result here
         return {"unpatched": {"error": f"{type(error).__name__}: {error}"}}
     try:
-        truth = _step(copy.deepcopy(model).double(), input_ids, None, target_ids, None)
+        truth = step(copy.deepcopy(model).double(), input_ids, None, target_ids, None)
         truth = (truth[0].float(), truth[1], {name: g.float() for name, g in truth[2].items()})
     except Exception:  # noqa: BLE001 - a model that cannot run in fp64 is held to the fixed bounds
         truth = None
@@ -283,11 +218,11 @@ def run_type(model_type: str, rank: int, world_size: int, modes=MODES, **overrid
                 apply_seq_parallel_monkey_patch(mode, patched, mixer_strategy=strategy)
                 group = active_patch().groups().sp
                 local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu")
-                got = _step(
+                got = step(
                     patched, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], group
                 )
                 logits = gather_seq_parallel_outputs(mode, got[0])
-                results[key] = list(_errors((logits, *got[1:]), want, truth))
+                results[key] = list(errors((logits, *got[1:]), want, truth))
         except Exception as error:  # noqa: BLE001
             refusal = _refusal(error)
             results[key] = {"refused": refusal} if refusal else {"error": f"{type(error).__name__}: {error}"}

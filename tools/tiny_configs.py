@@ -191,16 +191,15 @@ def rope_variants(model_type: str, original: int) -> dict:
     Gemma 3 keeps them) with rope_type and its fields replaced, the original context and
     max_position_embeddings at `original`."""
     import torch
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from tools.sweep_models import causal_lm_class
 
     config = tiny_config(model_type)
     own = getattr(config, "rope_parameters", None)
     if not isinstance(own, dict) or not own:
         return {}
     with torch.device("meta"):
-        model = causal_lm_class(model_type)(config)
+        model = AutoModelForCausalLM.from_config(config)
     halves = {buffer.shape[-1] for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
     if len(halves) != 1:  # no rotary of transformers' kind, or several sizes (per-layer heads)
         return {}

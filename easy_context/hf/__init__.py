@@ -5,6 +5,12 @@ what runs on it (generation, the Trainer adapter, the replica guard).
     api.py            the functions named by mode (apply_seq_parallel_monkey_patch, generate,
                       prepare_trainer, ...): each finds its context and calls it
     patch.py          dispatchers installed into transformers' attention and mask registries
+    compiled.py       under torch.compile: the attention as one custom operator
+    rope.py           RoPE whose frequencies follow the length (dynamic, longrope): the SP group's length
+    mixers.py         the model's sequence mixers (Mamba-2, Gated DeltaNet, convolutions) sequence parallel
+    forward_positions.py  the position_ids a model's forward got, for types that do not pass them on
+    model_types.py    the record: every causal-LM type, supported or refused and why
+    modeling.py       where transformers keeps a model type's code
     admission.py      what a model may bring (keywords, mask functions, head dims), checked per call
     mask_check.py     check_masks: the model's own mask per layer kind against the patch's, at setup
     architectures.py  the supported model types (one list) and why others are refused

@@ -9,13 +9,14 @@ inputs of a convolution, the state of a scan. Two strategies make it exact:
   function of its initial state, sends that function's summary (its transition and its final
   state from a zero start), every rank composes the summaries of the runs before its own, and
   runs again from the state that gives. O(state) bytes, any head count.
-- head exchange (head_exchange.py): an all-to-all turns sequence shards into head shards, the
+- head exchange (families.py over core/exchange.py): an all-to-all turns sequence shards into head shards, the
   scan runs over the whole sequence for the local heads, and a second all-to-all turns it back
   (Ulysses applied to the mixer). O(sequence) bytes; the heads must split over the SP group.
 
 `families.py` holds each family's scan under both strategies (Mamba-2's SSD, the gated delta
 rule, short convolutions), over the kernels transformers provides (its torch paths, or the
-packages it dispatches to), which the integration passes in. Never imports transformers.
+packages it dispatches to), which the integration passes in; `costs.py` what each strategy sends.
+Never imports transformers.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ the ring part uses the zigzag layout, and which attention function runs over the
 Kernels, ring core, process groups, HF integration and the API are shared. A mode also
 declares what it supports and what it costs (modes/costs.py), so that programs ask the mode
 instead of comparing its name.
+
+One file per mode: zigzag_ring_attn.py, dist_flash_attn.py (the LightSeq schedule),
+ulysses_attn.py, usp_attn.py (Ulysses x ring), data_parallel.py (the model's own attention);
+costs.py the pieces of their cost declarations (bytes sent, activation terms).
 """
 
 from __future__ import annotations

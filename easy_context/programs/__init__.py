@@ -15,5 +15,7 @@ demo_data.py   the demo base's tokenizer, copy and needle rows, accuracies (scri
 evaluation.py  score whole sequences over an SP group (no grad, per-token results)
 harness.py     lm-evaluation-harness's model `easy_context` (imports lm-eval: eval_harness.py)
 plots.py       heatmaps and curves
-plan.py        the planner: memory and time per mode for a model, length and cluster
+plan/          the planner: memory and time per mode for a model, length and cluster
+fsdp.py        train.py --fsdp: PyTorch FSDP2 applied directly, one unit per decoder layer
+manifest.py    a checkpoint folder's manifest: every file's size and SHA-256, written last
 """

@@ -17,7 +17,7 @@ from easy_context.hf.architectures import attn_implementation
 from easy_context.hf.mixers import mixer_shapes
 from easy_context.mixers import STRATEGIES
 from easy_context.mixers.costs import positions_traffic, traffic
-from tools import sweep_models
+from tools import exact_step, sweep_models
 from tools.hybrid_checks import compare_generation, each_document_alone, packed_batch, prompts, with_long_memory
 from tools.tiny_configs import tiny_config
 
@@ -42,11 +42,11 @@ def sharded_step(model, mode, options, rank, world_size, counter=None):
 
     apply_seq_parallel_monkey_patch(mode, model, **options)
     group = active_patch().groups().sp
-    input_ids, target_ids = sweep_models._batch()
+    input_ids, target_ids = exact_step.batch()
     local = prepare_seq_parallel_inputs(mode, input_ids, None, target_ids, rank, world_size, "cpu", **options)
     if counter is not None:
         counter.bytes, counter.enabled = 0, True
-    got = sweep_models._step(
+    got = exact_step.step(
         model, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], group
     )
     if counter is not None:
@@ -56,8 +56,8 @@ def sharded_step(model, mode, options, rank, world_size, counter=None):
 
 
 def reference(model):
-    input_ids, target_ids = sweep_models._batch()
-    got = sweep_models._step(model, input_ids, None, target_ids, None)
+    input_ids, target_ids = exact_step.batch()
+    got = exact_step.step(model, input_ids, None, target_ids, None)
     return (got[0].float(), got[1], {n: g.float() for n, g in got[2].items()})
 
 
@@ -100,8 +100,8 @@ def padded_batch():
 
 
 def masked_step(model, input_ids, target_ids, mask, group=None, position_ids=None):
-    """sweep_models._step with a padding mask; padding's logits are not compared."""
-    logits, loss, grads = sweep_models._step(model, input_ids, position_ids, target_ids, group, attention_mask=mask)
+    """exact_step.step with a padding mask; padding's logits are not compared."""
+    logits, loss, grads = exact_step.step(model, input_ids, position_ids, target_ids, group, attention_mask=mask)
     return logits * mask[..., None], loss, grads
 
 
@@ -119,7 +119,7 @@ def _documents_worker(rank, world_size):
                 group = active_patch().groups().sp
                 input_ids, position_ids, target_ids = packed_batch()
                 local = prepare_seq_parallel_inputs(mode, input_ids, position_ids, target_ids, rank, world_size, "cpu")
-                got = sweep_models._step(
+                got = exact_step.step(
                     model, local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], group
                 )
                 found[("packed", model_type, mode, strategy)] = errors(
@@ -251,7 +251,7 @@ def _bytes_worker(rank, world_size):
                 sharded_step(model, mode, {"mixer_strategy": strategy}, rank, world_size, CommCounter.instance)
                 layout = active_patch().layout()
                 remove_seq_parallel_monkey_patch()
-                seq = sweep_models.SEQ
+                seq = exact_step.SEQ
                 runs = max(len(local_pieces(layout, seq, r)) for r in range(world_size))
                 declared = sum(traffic(strategy, s) for s in mixer_shapes(model, 1, seq, world_size, runs))
                 if model_type != "mamba2":  # Mamba2Model takes no position_ids: one document per row

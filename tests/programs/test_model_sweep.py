@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from easy_context.hf import model_types
-from tools import sweep_models
+from tools import exact_step, sweep_models
 
 ROOT = Path(__file__).resolve().parents[2]
 GOAL = 70  # issue 41: at least 70 model types exact in every mode
@@ -88,13 +88,13 @@ def test_the_bounds_hold_a_model_to_what_fp32_gives_it():
     truth = (logits, 1.0, {"big": big, "small": small})
     one_process = (logits, 1.0, {"big": big, "small": small * (1 + 1.5e-4)})  # DiffLlama's lambdas
     ours = (logits, 1.0, {"big": big, "small": small * (1 - 2.5e-4)})
-    assert sweep_models._errors(ours, one_process, truth)[3] <= 1.0
-    assert sweep_models._errors(ours, one_process, None)[3] > 1.0  # without the truth: the fixed bound
+    assert exact_step.errors(ours, one_process, truth)[3] <= 1.0
+    assert exact_step.errors(ours, one_process, None)[3] > 1.0  # without the truth: the fixed bound
     wrong = (logits, 1.0, {"big": big * 1.01, "small": small})
-    assert sweep_models._errors(wrong, one_process, truth)[3] > 1.0
+    assert exact_step.errors(wrong, one_process, truth)[3] > 1.0
     zero = (logits, 1.0, {"big": big, "small": torch.zeros(4)})  # OPT's key bias: zero in exact arithmetic
     noise = (logits, 1.0, {"big": big, "small": torch.full((4,), 3e-11)})
-    assert sweep_models._errors(noise, (logits, 1.0, {"big": big, "small": torch.full((4,), 2e-11)}), zero)[3] <= 1
+    assert exact_step.errors(noise, (logits, 1.0, {"big": big, "small": torch.full((4,), 2e-11)}), zero)[3] <= 1
 
 
 def test_the_docs_sweep_table_agrees_with_the_record():

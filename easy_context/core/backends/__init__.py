@@ -14,6 +14,7 @@ One file per backend family:
   cuda.py        cuda_flash and cuda_efficient: torch's fused CUDA ops
   flash_attn.py  flash_attn: the optional flash_attn package (imported on first use)
   flex.py        flex: torch's FlexAttention
+  segments.py    packed documents for backends without document boundaries: one call per document
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 feasible mode x memory-option combination, and a recommendation (`python -m
 easy_context.programs.plan`, cli.py; docs/planner.md).
 
-catalogue: models, devices, options; sharding: the DDP / ZeRO-3 / FSDP2 settings, one table;
-memory: the peak-memory model; speed: the roofline;
-planner: layouts, rows, the recommendation; cli: the table and the command line. What a
+catalogue.py: models, devices, options; sharding.py: the DDP / ZeRO-3 / FSDP2 settings, one table;
+memory.py: the peak-memory model; speed.py: the roofline and the FLOP count;
+planner.py: layouts, rows, the recommendation; cli.py: the table and the command line. What a
 mode costs (bytes sent, activation terms) the mode declares (easy_context/modes/costs.py).
 """
 
