@@ -22,4 +22,5 @@ work_order.py  an epoch's row order with equal attention work per data-parallel 
 pieces.py    a layout's runs: the stretches of consecutive positions each rank holds
 exchange.py  the all-to-all between sequence shards and head shards, differentiable
 call_counts.py  the attention kernels' calls and (query, key) products, counted for tests
+environment.py  every environment variable easy-context reads, one list
 """
