@@ -132,11 +132,10 @@ def layer_masks(model_or_config) -> list[LayerMask]:
 
 
 def _decoder_layers(model) -> list:
-    depth = getattr(model.config, "num_hidden_layers", None)
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == depth:
-            return list(module)
-    return []
+    """The model's decoder layers: transformers builds each on GradientCheckpointingLayer."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
 def _masks_only(forward, recorder: _Recorder):

@@ -256,7 +256,16 @@ def test_types_that_run_another_familys_code_have_their_rotary_found():
     """EXAONE, InternLM3, IQuestCoder (Llama's code), Param2MoE, Sarvam (GLM-4-MoE's, DeepSeek-V3's)
     have no modeling file of their own: the rope patch must find the rotary of the code they run,
     or `dynamic` rope picks each rank's own length (the sweep's variants: logits off by 7e-2)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     from easy_context.hf import rope
 
-    for model_type in ("exaone", "internlm3", "iquestcoder", "param2moe", "sarvam_mla", "sarvam_moe"):
+    types = [
+        t
+        for t in ("exaone", "internlm3", "iquestcoder", "param2moe", "sarvam_mla", "sarvam_moe")
+        if t in CONFIG_MAPPING
+    ]
+    if not types:
+        pytest.skip("this transformers has none of these types")
+    for model_type in types:
         assert rope.rotary_classes(model_type), model_type

@@ -12,14 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from easy_context import MaskDisagreement, check_masks, setup, teardown
 from easy_context.hf import mask_check, model_types, patch
 from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES
 from tools import released_configs
+from tools.sweep_models import static_reason
 from tools.tiny_configs import WINDOW, tiny_config, window_variants
 
 RELEASED = Path(released_configs.CONFIGS)
+# the supported types this transformers has, with their attention in its registry (the floor
+# versions CI tests have fewer, and older code for some: codegen computes attention itself in 5.9)
+INSTALLED = sorted(t for t in SUPPORTED_MODEL_TYPES if t in CONFIG_MAPPING and static_reason(t) is None)
 # types whose tiny config has no attention layer (Mamba-2 has none; tests/distributed/test_model_masks.py
 # runs Granite 4.0-H with attention)
 ALL_MAMBA = {"granitemoehybrid", "mamba2"}
@@ -37,7 +42,7 @@ def _released(name):
 @pytest.mark.timeout(120)
 def test_every_supported_type_agrees_with_and_without_a_window():
     checked, without_attention = 0, set()
-    for model_type in sorted(SUPPORTED_MODEL_TYPES):
+    for model_type in INSTALLED:
         for overrides in [{}, *window_variants(model_type).values()]:
             config = tiny_config(model_type, **overrides)
             if model_type in model_types.MASKS_NOT_PROBED:
@@ -47,8 +52,8 @@ def test_every_supported_type_agrees_with_and_without_a_window():
             if not check_masks(config):
                 without_attention.add(model_type)
             checked += 1
-    assert checked > 2 * len(SUPPORTED_MODEL_TYPES) - 10
-    assert without_attention == ALL_MAMBA, without_attention
+    assert checked > 2 * len(INSTALLED) - 10
+    assert without_attention == ALL_MAMBA & set(INSTALLED), without_attention
 
 
 def test_the_argument_rule_is_stopped_where_mask_and_argument_disagree():
@@ -71,9 +76,12 @@ def test_the_argument_rule_is_stopped_where_mask_and_argument_disagree():
 def _smallest_released_config_per_type() -> dict:
     configs = {}
     for name in released_configs.names():
-        config = _released(name)
+        try:
+            config = _released(name)
+        except (KeyError, ValueError):  # a type or a rope format newer than this transformers
+            continue
         smallest = configs.get(config.model_type)
-        if config.model_type in SUPPORTED_MODEL_TYPES and (
+        if config.model_type in INSTALLED and (
             smallest is None or config.num_hidden_layers < smallest[1].num_hidden_layers
         ):
             configs[config.model_type] = (name, config)
@@ -92,7 +100,7 @@ def test_released_configs_agree_and_the_argument_rule_stops_released_phimoe():
             mask_check.compare(layers, window_of=argument_rule)
         except MaskDisagreement:
             stopped.append(name)
-    assert len(configs) >= 20 and [configs[name].model_type for name in stopped] == ["phimoe"], (
+    assert len(configs) >= 12 and [configs[name].model_type for name in stopped] == ["phimoe"], (
         sorted(configs),
         stopped,
     )
