@@ -1,40 +1,54 @@
 #!/usr/bin/env bash
-# Everything a GPU has to show, in one run, into ONE results file. Sized for one H200: the
-# sections' limits add up to the 420 s default deadline (the device tool allows 600 s per
-# command, start-up included); a section the deadline leaves no time for is reported as not run.
+# Everything a GPU has to show, in one run, into ONE results file. Sized for one 15-minute device
+# lease: the sections' limits add up to the 480 s default deadline (one command may run 600 s),
+# which leaves, after a machine's start (a minute or more), room for one rerun of the longest
+# section (`--only kernels`); a section the deadline leaves no time for is reported as not run.
 # On several GPUs it runs, by default, what one GPU cannot (the NCCL sections) and what they
 # need, within the same deadline (SEVERAL_GPUS_ONLY below; `--only` chooses others).
 #
 #   bash scripts/gpu_check.sh                   # on a CUDA machine: results in gpu_check_results/gpu_check.md
 #   bash scripts/gpu_check.sh --out DIR         # (the device tool's $OUT is used when set)
 #   bash scripts/gpu_check.sh --dry-run         # on CPU: the same sections at CPU sizes (CI runs this)
-#   bash scripts/gpu_check.sh --deadline 420    # seconds for the whole run (default 420; dry run 1200)
+#   bash scripts/gpu_check.sh --deadline 480    # seconds for the whole run (default 480; dry run 1200)
 #   bash scripts/gpu_check.sh --only kernels,train   # just these sections (a rerun of what failed)
 #
-# Sections (each with its own time limit; one failing does not stop the others):
-#   env         torch / CUDA / GPU, the optional packages, the kernel backends usable per dtype
+# Sections, in the order they run: what no GPU has run yet first (so a run cut short still
+# shows it), then what ran on the first H200 run and has changed since, then what has not
+# (trimmed). Each has its own time limit; one failing does not stop the others. Every check
+# prints its rows as they finish, so a section stopped at its limit keeps the rows it finished.
+#   env         torch / CUDA / GPU, the optional packages, the kernel backends usable per dtype,
+#               the compile caches (warm or cold)
 #   toolchain   the C compiler Triton needs (flex attention, --compile), before anything compiles
-#   kernels     tools/check_kernels.py: every backend vs fp64, fp32 and bf16, bound 2x SDPA's error
+#   kernels     tools/check_kernels.py: every backend vs fp64, fp32 and bf16, bound 2x SDPA's error:
+#               causal, rectangular, packed documents, and a window a quarter of S (fp32: the
+#               band path's tiles, dK/dV summed over them); then flex's compiled graphs counted
+#               at two more lengths (the second must compile nothing: flex compiles per structure)
+#   softcap     tools/check_exactness.py on Gemma-2 (softcapped logits: flex) with a sliding window
+#               a quarter of S on its sliding layers, zigzag_ring_attn, fp32 and bf16
+#   generate    tools/check_generate.py: easy_context.generate vs model.generate (1 rank on one
+#               GPU, every GPU when there are several, 2 gloo ranks on CPU), left-padded batches,
+#               a window, softcap: tokens, logits, ms/token; fp32, and bf16 (the padded slots on
+#               the masked kernel, the rest on flash, merged) forced along fp32's tokens
+#   compile     train.py --compile vs the eager run, S = 1024, one process (no torchrun):
+#               Dynamo's recompiles and graph breaks logged to a file kept in the results, and
+#               every thread's stack dumped (faulthandler) before the limit and at the kill
 #   masks       tools/check_gpu_paths.py masks: each backend timed on causal, sliding-window and
 #               packed-document blocks (SKIP lines say what this device cannot run, and why), and
 #               the graphs Dynamo compiled for flex
-#   multirank   tools/check_gpu_paths.py multirank: which gloo ops take this device's tensors; every
-#               mode they can carry on 2 ranks over gloo sharing the GPU; the ring modes in a
-#               2-rank simulation (threads, one process) vs one rank; what stays unexercised (NCCL)
-#   modes_p1    tools/check_exactness.py, every mode on one rank: logits, loss, every gradient
-#               vs the unpatched model (fp32, bf16 weights, fp32 under bf16 autocast)
-#   softcap     the same for Gemma-2 (softcapped logits, sliding windows: flex), zigzag_ring_attn
-#   modes_pN    every mode on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
-#   collectives_pN  (several GPUs; 2 gloo ranks in the dry run) tools/check_collectives.py: every
-#               transfer the modes make (all-gather, broadcast, all-reduce, all-to-all, batched
-#               and one-way P2P) over the groups each topology builds: exact, and timed
-#   generate    tools/check_generate.py: easy_context.generate vs model.generate (1 rank on one
-#               GPU, every GPU when there are several, 2 gloo ranks on CPU), left-padded batches,
-#               a window, softcap: tokens, logits, ms/token
 #   bench       benchmarks/bench_kernels.py: our backends and modes vs flash SDPA, fwd+bwd, S = 8K, 32K
 #               (flash_attn and ring_flash_attn rows when they import)
 #   train       train.py --from-scratch, 2 steps: plain, every memory option at once (fp32 and
 #               under bf16 autocast): final losses must agree
+#   modes_p1    tools/check_exactness.py, every mode on one rank: logits, loss, every gradient
+#               vs the unpatched model (bf16 on one GPU: fp32 and autocast passed on the first run)
+#   modes_pN    every mode on every GPU (NCCL) when there are several; on CPU (--dry-run) 2 gloo ranks
+#   collectives_pN  (several GPUs; 2 gloo ranks in the dry run) tools/check_collectives.py: every
+#               transfer the modes make (all-gather, broadcast, all-reduce, all-to-all, batched
+#               and one-way P2P) over the groups each topology builds: exact, and timed
+#   multirank   tools/check_gpu_paths.py multirank: which gloo ops take this device's tensors; the
+#               ring modes in a 2-rank simulation (threads, one process) vs one rank; what stays
+#               unexercised (NCCL); on one GPU fp32 only, no gloo exactness run (both passed on
+#               the first run, their code unchanged since)
 #   exit_pN     (several GPUs; gloo in the dry run) a plain training loop and a plain HF Trainer
 #               script, which tear nothing down themselves, exit 0 with every rank's process
 #               group torn down (the library's exit teardown)
@@ -42,8 +56,26 @@
 #               every rank ends, non-zero, within --dist-timeout and a margin (NCCL: its watchdog)
 #   peers       ring_flash_attn / yunchang: imported and run when installed, else why not
 #   two_gpu     on one GPU, what it cannot run (NCCL) and the command that runs it on two
-#   compile     train.py --compile vs the eager run: final losses must agree (last: a cold
-#               Inductor compile is the least predictable cost)
+#
+# Time limits on one GPU (s): the first H200 run's time of each section (2026-12-04, cold
+# caches; docs/benchmarks.md, "GPU check"), with a margin for what was added since; a section
+# whose code has not changed since that run is trimmed (less work: a limit below that time).
+#   section    first run  limit  since the first run
+#   env        11         13     unchanged
+#   toolchain  0          3      unchanged
+#   kernels    88         115    new: flex compiled once per structure, in fp32 (48 s of compiles then) and now bf16 too; the window case; graph counts; no fp16
+#   softcap    71         55     new: a window shorter than S, flex compiled; one mode (71: two)
+#   generate   38         70     new: bf16 decoding, GQA folded decoding steps, gemma2's flex compiled
+#   compile    60         65     new: never finished (killed after about 60 s at S = 8192); S = 1024, one process now
+#   masks      35         38     changed: flex compiled once per structure, the fp32 band path
+#   bench      46         40     changed: flex's block mask in its compiled call; 3 iterations (46: 5)
+#   train      45         40     changed: train.py split into programs/training; one rank runs without torchrun
+#   modes_p1   24         15     unchanged: trimmed to bf16 (24: fp32, bf16, autocast)
+#   multirank  41         20     unchanged: trimmed to fp32, no gloo exactness run (41: fp32, bf16, 2 gloo ranks)
+#   peers      0          3      unchanged
+#   two_gpu    0          2      unchanged
+# Compiles are cached in .cache/ (ignored by git: Inductor's FX graph and autograd caches,
+# Triton's kernels), which a warm device machine keeps between calls: a rerun skips compiling.
 # The results file opens with the summary (PASS/FAIL per section) and the speed table.
 # Exit status: 0 when no section failed (a section skipped for a missing optional package is
 # not a failure; its line says what is missing).
@@ -61,36 +93,46 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
     --only) ONLY=${2:?--only needs section names, comma-separated}; shift ;;
-    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS, --only SECTIONS)" >&2; exit 2 ;;
   esac
   shift
 done
-SECTIONS="env toolchain kernels masks multirank modes softcap generate bench train peers two_gpu compile"
+SECTIONS="env toolchain kernels softcap generate compile masks bench train modes multirank peers two_gpu"
 SEVERAL_GPU_SECTIONS="collectives exit timeout"  # (and modes_pN) only with several ranks
 # On several GPUs, the default: what one GPU could not run, within the default deadline (tests
 # hold it there).
 SEVERAL_GPUS_ONLY="env,toolchain,modes,collectives,generate,train,exit,timeout"
 case "$DEADLINE" in ''|*[!0-9]*) [ -z "$DEADLINE" ] || { echo "gpu_check.sh: --deadline takes whole seconds, got '$DEADLINE'" >&2; exit 2; } ;; esac
-DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 1200 || echo 420)}  # the device tool allows 600 s per command
+DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 1200 || echo 480)}  # the device tool allows 600 s per command
 PY=${PYTHON:-$(command -v python || command -v python3)}
 if ! "$PY" -c "import torch, transformers" 2>/dev/null; then
   echo "gpu_check.sh: $PY cannot import torch and transformers; activate the environment (or set PYTHON=...)" >&2
   exit 2
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Inductor's and Triton's caches in the repository's .cache/ (ignored by git), which a warm device
+# machine keeps between calls: a rerun (`--only kernels`) loads what the first run compiled.
+CACHE_DIR=${GPU_CHECK_CACHE:-$REPO/.cache}
+export TORCHINDUCTOR_CACHE_DIR="$CACHE_DIR/inductor" TRITON_CACHE_DIR="$CACHE_DIR/triton"
+export TORCHINDUCTOR_FX_GRAPH_CACHE=1 TORCHINDUCTOR_AUTOGRAD_CACHE=1
 
 if [ "$DRY_RUN" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""  # what runs without a GPU, at CPU sizes
   NGPU=0
-  KERNEL_ARGS="--device cpu --dtypes fp32,bf16 --seq-len 256"
+  # flex runs only when forced on CPU: its graphs are counted with Dynamo's eager backend
+  KERNEL_ARGS="--device cpu --dtypes fp32,bf16 --seq-len 256 --graph-lengths 320,384"
+  KERNEL_ENV="EASY_CONTEXT_FLEX_COMPILE=eager"
   EXACT_ARGS="--seq-length 256"
+  SOFTCAP_ARGS="--seq-length 256 --sliding-window 64"
+  MODES_P1_DTYPES="fp32,bf16 --autocast"
+  COMPILE_LEN=256
   BENCH_ARGS="--device cpu --seq-len 512,1024 --heads 8 --kv-heads 2 --head-dim 64 --iters 2"
   TRAIN_LEN=512
   MULTI=2
   MASK_ARGS="--device cpu --dtypes fp32 --seq-len 256 --iters 1"
   MULTIRANK_ARGS="--device cpu --dtypes fp32 --seq-len 256 --gloo-runs 1"  # modes_p2 runs every mode over gloo
-  GENERATE_ARGS="--prompt-length 128 --new-tokens 8"
+  GENERATE_ARGS="--prompt-length 128 --new-tokens 8 --dtypes fp32,bf16"
   GENERATE_RANKS=2
   STUCK_TIMEOUT=15
 else
@@ -99,14 +141,20 @@ else
     echo "gpu_check.sh: torch sees no CUDA device; on a CPU machine run it with --dry-run" >&2
     exit 2
   fi
-  KERNEL_ARGS="--device cuda --dtypes fp32,bf16 --seq-len 2048 --head-dim 128"  # fp16: bf16's kernels again
+  # fp16: bf16's kernels again; the window case: S = 2048, 512 keys per query, 8 band tiles
+  KERNEL_ARGS="--device cuda --dtypes fp32,bf16 --seq-len 2048 --head-dim 128 --graph-lengths 1024,1536"
+  KERNEL_ENV=
   EXACT_ARGS="--seq-length 4096"
+  SOFTCAP_ARGS="--seq-length 4096 --sliding-window 1024"  # Gemma-2's own window is 4096: S would not see it
+  MODES_P1_DTYPES=bf16  # trimmed: fp32 and autocast passed on the first run, the modes' code unchanged since
+  COMPILE_LEN=1024
   BENCH_ARGS="--device cuda --seq-len 8192,32768 --iters 3"
   TRAIN_LEN=8192
   MULTI=$NGPU
   MASK_ARGS="--device cuda --dtypes bf16 --seq-len 8192 --head-dim 128 --iters 3"
-  MULTIRANK_ARGS="--device cuda --dtypes fp32,bf16 --seq-len 4096"
-  GENERATE_ARGS="--prompt-length 4096 --new-tokens 24"
+  # trimmed: gloo's exactness run and bf16 passed on the first run, their code unchanged since
+  MULTIRANK_ARGS="--device cuda --dtypes fp32 --seq-len 4096 --gloo-runs 0"
+  GENERATE_ARGS="--prompt-length 4096 --new-tokens 24 --dtypes fp32,bf16"
   # one GPU: 1 rank (gloo's point-to-point takes no CUDA tensors, and NCCL wants a GPU per rank)
   GENERATE_RANKS=$NGPU
   STUCK_TIMEOUT=30
@@ -123,7 +171,7 @@ for name in ${ONLY//,/ }; do
     echo "gpu_check.sh: --only: no section '$name' runs here (sections: ${RUNNABLE// /, })" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$OUT_DIR"
+mkdir -p "$OUT_DIR" "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
 RESULTS="$OUT_DIR/gpu_check.md"
 WORK=$(mktemp -d)
 
@@ -147,8 +195,9 @@ section() {
     echo "   not run: deadline"; return
   fi
   [ "$limit" -le "$left" ] || limit=$left
-  # bash -c: the command may be one of the functions below (exported), which timeout cannot run
-  timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" > "$WORK/$name.log" 2>&1
+  # bash -c: the command may be one of the functions below (exported), which timeout cannot run;
+  # SECTION_LIMIT: when the command will be stopped (compile dumps its stacks before that)
+  SECTION_LIMIT=$limit timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" > "$WORK/$name.log" 2>&1
   status=$?
   local verdict=PASS
   if [ $status = 3 ]; then verdict=SKIP
@@ -164,6 +213,24 @@ section() {
     # keep the file readable: a section's last 200 lines (the tables are at the end)
     tail -n 200 "$WORK/$name.log"
     echo '```'
+    # what a section logs beside its output (compile: a run's stderr, its stack dumps, its
+    # TORCH_LOGS), however it ended
+    local extra what
+    for extra in stderr stacks torch; do
+      [ -s "$WORK/$name.$extra.log" ] || continue
+      case $extra in
+        stderr) what="stderr (the TORCH_LOGS lines left out: they follow)" ;;
+        stacks) what="stack dumps (faulthandler, before the limit)" ;;
+        torch) what="torch logs (TORCH_LOGS=$TORCH_LOG_KINDS)" ;;
+      esac
+      echo
+      echo "### $name: $what, the last 150 lines"
+      echo
+      echo '```'
+      if [ $extra = stderr ]; then grep -Ev '^[DIVWEC][0-9]{4} [0-9:.]+ +[0-9]+ ' "$WORK/$name.$extra.log"
+      else cat "$WORK/$name.$extra.log"; fi | tail -n 150
+      echo '```'
+    done
   } >> "$RESULTS"
   echo "   $verdict ($((SECONDS - start)) s)"
 }
@@ -205,6 +272,9 @@ trap 'finish; exit $FAILED' EXIT
 trap 'FAILED=1; SUMMARY+=("| (stopped) | FAIL (killed after ${SECONDS} s) | 0 |"); exit 1' TERM INT
 
 env_report() {
+  local entries
+  entries=$(find "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR" -type f 2>/dev/null | wc -l)
+  echo "compile caches: $TORCHINDUCTOR_CACHE_DIR, $TRITON_CACHE_DIR ($entries files: $([ "$entries" -gt 0 ] && echo warm || echo cold))"
   "$PY" - <<'EOF'
 import importlib, importlib.metadata as md, platform, torch
 from easy_context.core import kernels
@@ -228,14 +298,14 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 EOF
 }
 
-modes_exact() {  # modes_exact NPROC: every mode, one process group
+modes_exact() {  # modes_exact NPROC [DTYPE ARGUMENTS]: every mode, one process group
   "$PY" -m torch.distributed.run --standalone --nproc_per_node "$1" -m tools.check_exactness \
-    --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn --dtypes fp32,bf16 --autocast $EXACT_ARGS
+    --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn --dtypes ${2:-fp32,bf16 --autocast} $EXACT_ARGS
 }
 
-softcap_exact() {  # Gemma-2: softcapped logits and sliding windows (flex without flash_attn)
+softcap_exact() {  # Gemma-2: softcapped logits, a sliding window shorter than S (flex without flash_attn)
   "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tools.check_exactness \
-    --model-type gemma2 --mode zigzag_ring_attn --dtypes fp32,bf16 $EXACT_ARGS
+    --model-type gemma2 --mode zigzag_ring_attn --dtypes fp32,bf16 $SOFTCAP_ARGS
 }
 
 toolchain() {
@@ -257,7 +327,7 @@ two_gpu_paths() {
     echo "ran on $MULTI ranks ($([ "$NGPU" -ge 2 ] && echo NCCL || echo 'gloo, dry run')): modes_p$MULTI, collectives_p$MULTI, generate, train, exit_p$MULTI, timeout_p$MULTI"
     return 0
   fi
-  echo "not run on one GPU (NCCL needs a GPU per rank); on a machine with 2 GPUs they all run, within the 420 s deadline, with:"
+  echo "not run on one GPU (NCCL needs a GPU per rank); on a machine with 2 GPUs they all run, within the default deadline, with:"
   echo "  bash scripts/gpu_check.sh --only $SEVERAL_GPUS_ONLY"
   echo "  modes_p2        every mode exact over NCCL: torchrun --standalone --nproc_per_node 2 -m tools.check_exactness --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn"
   echo "  collectives_p2  the groups, every transfer, batched and one-way P2P: torchrun --standalone --nproc_per_node 2 -m tools.check_collectives"
@@ -320,18 +390,41 @@ train_options() {
 }
 
 compile_train() {
-  # train.py --compile: the patched decoder under torch.compile, 2 steps, against the eager run
-  # (train's plain run when it ran; else made here).
-  [ -f "$WORK/train_plain/train_summary.json" ] || train_variant plain no
-  train_variant compiled no --compile
-  compare_losses plain compiled
+  # train.py --compile: the patched decoder under torch.compile, 2 steps, against the eager run,
+  # both at a short S on one rank without torchrun (one process to diagnose). Its first run on a
+  # GPU did not reach a step in about 60 s and left nothing to read, so: Dynamo's recompiles,
+  # graph breaks and per-frame compile steps go to a file, faulthandler dumps every thread's
+  # stack into another 10 s before the section's limit, and the run's stderr (train.py's own
+  # dump of every stack when it is stopped) into a third; the section puts all three into the
+  # results however it ends (files, not pipes: a kill loses none of them).
+  TRAIN_RANKS=1 TRAIN_SEQ=$COMPILE_LEN train_variant compile_eager no || return 1
+  TORCH_LOGS=$TORCH_LOG_KINDS TORCH_LOGS_OUT="$WORK/compile.torch.log" FAULT_LOG="$WORK/compile.stacks.log" \
+    DUMP_AFTER=$(( ${SECTION_LIMIT:-120} - SECONDS - 10 )) TRAIN_RANKS=1 TRAIN_SEQ=$COMPILE_LEN \
+    train_variant compiled no --compile 2> "$WORK/compile.stderr.log"
+  compare_losses compile_eager compiled
 }
 
-train_variant() {  # train_variant NAME MIXED_PRECISION FLAGS...: 2 steps into $WORK/train_NAME; 1 if it fails
-  local name=$1 precision=$2 nproc=$(( NGPU > 0 ? NGPU : 2 )); shift 2
-  echo "-- $name: $* (mixed precision: $precision)"
-  ACCELERATE_MIXED_PRECISION=$precision "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
-    train.py --from-scratch --seq-length "$TRAIN_LEN" --max-train-steps 2 --log-with none \
+# train_variant NAME MIXED_PRECISION FLAGS...: 2 steps into $WORK/train_NAME; 1 if it fails.
+# TRAIN_RANKS (default: a rank per GPU, 2 on CPU) and TRAIN_SEQ (default TRAIN_LEN) choose. One
+# rank runs without torchrun, under faulthandler: every thread's stack into FAULT_LOG (default
+# stderr) after DUMP_AFTER seconds (when set) and when the process is stopped.
+train_variant() {
+  local name=$1 precision=$2 nproc=${TRAIN_RANKS:-$(( NGPU > 0 ? NGPU : 2 ))}; shift 2
+  local launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
+  if [ "$nproc" = 1 ]; then
+    launch=("$PY" -X faulthandler -c '
+import faulthandler, os, runpy, signal, sys
+out = open(os.environ["FAULT_LOG"], "w") if os.environ.get("FAULT_LOG") else sys.stderr
+after = int(os.environ.get("DUMP_AFTER") or 0)
+if after > 0:
+    faulthandler.dump_traceback_later(after, file=out)  # where it is when time runs out
+faulthandler.register(signal.SIGTERM, file=out, chain=True)  # and where it was when stopped
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")')
+  fi
+  echo "-- $name: $* (mixed precision: $precision, $nproc rank(s), S = ${TRAIN_SEQ:-$TRAIN_LEN})"
+  ACCELERATE_MIXED_PRECISION=$precision "${launch[@]}" \
+    train.py --from-scratch --seq-length "${TRAIN_SEQ:-$TRAIN_LEN}" --max-train-steps 2 --log-with none \
     --output-dir "$WORK/train_$name" "$@" || { echo "-- $name: train.py failed"; return 1; }
 }
 
@@ -389,33 +482,36 @@ EOF
 
 export -f env_report toolchain modes_exact softcap_exact train_options compile_train train_variant compare_losses peers \
   two_gpu_paths exit_clean stuck_rank
-export PY WORK NGPU MULTI REPO EXACT_ARGS TRAIN_LEN STUCK_TIMEOUT SEVERAL_GPUS_ONLY
-# limit SECONDS_GPU SECONDS_DRY_RUN: a section's limit. The GPU column adds up to the 420 s
-# default deadline (the device allows 600 s per command, start-up and transfers included);
-# the dry-run column is sized from CPU runs (docs/benchmarks.md has the budget table).
+TORCH_LOG_KINDS="recompiles,graph_breaks,dynamo"  # dynamo: its INFO lines time each frame's trace and compile
+export PY WORK NGPU MULTI REPO EXACT_ARGS SOFTCAP_ARGS TRAIN_LEN COMPILE_LEN STUCK_TIMEOUT SEVERAL_GPUS_ONLY \
+  TORCH_LOG_KINDS
+# limit SECONDS_GPU SECONDS_DRY_RUN: a section's limit. The GPU column is the table in the header
+# (the first H200 run's times, with margins; the trimmed sections below them) and adds up to at
+# most the 480 s default deadline; the dry-run column is sized from CPU runs (docs/benchmarks.md
+# has the budget table). The order: new on a GPU first, then changed, then unchanged.
 limit() { if [ "$DRY_RUN" = 1 ]; then echo "$2"; else echo "$1"; fi; }
-section env "$(limit 12 30)" env_report
+section env "$(limit 13 30)" env_report
 section toolchain "$(limit 3 10)" toolchain
-section kernels "$(limit 75 60)" "$PY" -m tools.check_kernels $KERNEL_ARGS
-section masks "$(limit 35 60)" "$PY" -m tools.check_gpu_paths masks $MASK_ARGS
-section multirank "$(limit 40 90)" "$PY" -m tools.check_gpu_paths multirank $MULTIRANK_ARGS
-section modes_p1 "$(limit 25 60)" modes_exact 1
-section softcap "$(limit 45 60)" softcap_exact
+section kernels "$(limit 115 120)" env $KERNEL_ENV "$PY" -m tools.check_kernels $KERNEL_ARGS
+section softcap "$(limit 55 60)" softcap_exact
+section generate "$(limit 70 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$GENERATE_RANKS" \
+  -m tools.check_generate $GENERATE_ARGS
+section compile "$(limit 65 120)" compile_train  # killed: the torch logs and stack dumps say where
+section masks "$(limit 38 60)" "$PY" -m tools.check_gpu_paths masks $MASK_ARGS
+section bench "$(limit 40 60)" "$PY" -m benchmarks.bench_kernels $BENCH_ARGS
+section train "$(limit 40 120)" train_options
+section modes_p1 "$(limit 15 60)" modes_exact 1 "$MODES_P1_DTYPES"
 if [ "$MULTI" -ge 2 ]; then
   section "modes_p$MULTI" "$(limit 60 60)" modes_exact "$MULTI"
   section "collectives_p$MULTI" "$(limit 30 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$MULTI" \
     -m tools.check_collectives
 fi
-section generate "$(limit 30 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$GENERATE_RANKS" \
-  -m tools.check_generate $GENERATE_ARGS
-section bench "$(limit 40 60)" "$PY" -m benchmarks.bench_kernels $BENCH_ARGS
-section train "$(limit 40 120)" train_options
+section multirank "$(limit 20 90)" "$PY" -m tools.check_gpu_paths multirank $MULTIRANK_ARGS
 if [ "$MULTI" -ge 2 ]; then
   section "exit_p$MULTI" "$(limit 60 120)" exit_clean "$MULTI"
   section "timeout_p$MULTI" "$(limit 120 120)" stuck_rank
 fi
 section peers "$(limit 3 10)" peers
 section two_gpu "$(limit 2 5)" two_gpu_paths
-section compile "$(limit 70 120)" compile_train  # last: the least predictable (Inductor, cold)
 
 finish  # (also run by the EXIT trap if the run is stopped)

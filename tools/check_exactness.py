@@ -9,8 +9,11 @@ compares logits, loss and every parameter gradient with the unpatched model on t
 sequence. gloo on CPU, NCCL on CUDA (one GPU per
 local rank). Variants: fp32 (fixed bounds), bf16 weights and, with --autocast, fp32 weights
 under bf16 autocast; a bf16 error may be at most 2x (plus 1/256) the single-process
-model's own bf16 error against fp32. Prints which kernel backends ran; exits 1 when a bound
-is exceeded. --json PATH writes the table for other tools.
+model's own bf16 error against fp32. Prints which kernel backends ran, a row as each
+variant finishes (a run stopped at a time limit keeps the rows it finished); exits 1 when a
+bound is exceeded. --sliding-window N sets the config's window (Gemma-2's sliding layers, say,
+whose default window is as long as the test sequence: the window would mask nothing). --json
+PATH writes the table for other tools.
 """
 
 import argparse
@@ -96,6 +99,12 @@ def main():
     )
     parser.add_argument("--model-type", default="llama", choices=ec.SUPPORTED_MODEL_TYPES)
     parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="the config's sliding_window, for model types that have one (shorter than --seq-length: it masks)",
+    )
     parser.add_argument("--ring-degree", type=int, default=None)
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32 and/or bf16 (bf16 weights)")
     parser.add_argument("--autocast", action="store_true", help="also fp32 weights under bf16 autocast")
@@ -145,6 +154,13 @@ def main():
     )
     if hasattr(config, "kv_lora_rank"):  # MLA (DeepSeek-V3): one K/V head per query head
         config.num_key_value_heads = config.num_attention_heads
+    if args.sliding_window is not None:
+        if not hasattr(config, "sliding_window"):
+            parser.error(f"--sliding-window: {args.model_type} has no sliding_window in its config")
+        config.sliding_window = args.sliding_window
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = sum(t == "sliding_attention" for t in layer_types) if layer_types else None
 
     def model(weights=torch.float32, compute=None):
         torch.manual_seed(0)
@@ -187,6 +203,18 @@ def main():
 
     rows = []
     for mode in modes:
+        if rank == 0:
+            where = f"{mode} on {world} ranks ({device.type}, {dist.get_backend()}), {args.model_type}, "
+            where += f"{args.seq_length} tokens"
+            if window is not None:
+                layers = f" on {windowed} of {len(layer_types)} layers" if windowed is not None else ""
+                where += f", sliding window {window}{layers}"
+                if window >= args.seq_length:
+                    where += " (not shorter than the sequence: it masks nothing)"
+            print(where, flush=True)
+            print(
+                f"{'variant':9} {'kernels (q dtype)':22}{'logits':^19}{'loss':^19}{'grads (rel)':^19}  ok", flush=True
+            )
         for variant in variants:
             row = measure(mode, variant)
             if not row["ok"]:
@@ -194,21 +222,18 @@ def main():
                 # NUMERIC): a failing variant is measured once more, and fails if it fails twice.
                 row = {**measure(mode, variant), "first_errors": row["errors"]}
             rows.append(row)
+            if rank == 0:  # as each variant finishes
+                cells = "".join(f" {row['errors'][m]:8.1e} <={row['bounds'][m]:7.1e}" for m in METRICS)
+                print(
+                    f"{row['variant']:9} {','.join(row['backends']):22}{cells}  {'yes' if row['ok'] else 'NO'}",
+                    flush=True,
+                )
+                if "first_errors" in row:
+                    first = ", ".join(f"{m} {e:.1e}" for m, e in row["first_errors"].items())
+                    print(f"          (measured twice: the first run was outside the bounds: {first})", flush=True)
     ok = all(row["ok"] for row in rows)
 
     if rank == 0:
-        for mode in modes:
-            print(
-                f"{mode} on {world} ranks ({device.type}, {dist.get_backend()}), "
-                f"{args.model_type}, {args.seq_length} tokens"
-            )
-            print(f"{'variant':9} {'kernels (q dtype)':22}{'logits':^19}{'loss':^19}{'grads (rel)':^19}  ok")
-            for row in (r for r in rows if r["mode"] == mode):
-                cells = "".join(f" {row['errors'][m]:8.1e} <={row['bounds'][m]:7.1e}" for m in METRICS)
-                print(f"{row['variant']:9} {','.join(row['backends']):22}{cells}  {'yes' if row['ok'] else 'NO'}")
-                if "first_errors" in row:
-                    first = ", ".join(f"{m} {e:.1e}" for m, e in row["first_errors"].items())
-                    print(f"          (measured twice: the first run was outside the bounds: {first})")
         print("errors against fp32; bf16/autocast bounds: 2x the single-process model's own error + 1/256")
         if args.json:
             report = {
@@ -217,6 +242,7 @@ def main():
                 "device": device.type,
                 "model_type": args.model_type,
                 "seq_length": args.seq_length,
+                "sliding_window": window,
                 "ring_degree": args.ring_degree,
                 "ok": ok,
                 "rows": rows,

@@ -352,6 +352,26 @@ def simulate(
 COMMON_OPS = ("all_gather", "all_reduce")
 
 
+def relayed(command: list, timeout: float) -> int:
+    """Run `command`, its output printed line by line as it comes (a run stopped at a time limit
+    keeps what it printed); its stderr after it when it fails. The exit code (-9: killed at
+    `timeout` seconds)."""
+    with tempfile.TemporaryFile("w+") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+        timer = threading.Timer(timeout, process.kill)
+        timer.start()
+        try:
+            for line in process.stdout:
+                print(line, end="", flush=True)
+            returncode = process.wait()
+        finally:
+            timer.cancel()
+        if returncode != 0:
+            errors.seek(0)
+            print(errors.read()[-1500:], flush=True)
+    return returncode
+
+
 def multirank(device, seq: int, names: list, timeout: float, gloo_runs: int | None = None) -> bool:
     """As much of the multi-rank path as one device allows: the gloo ops with tensors on it;
     every mode those ops can run, 2 ranks over gloo via tools.check_exactness; the ring modes
@@ -379,15 +399,12 @@ def multirank(device, seq: int, names: list, timeout: float, gloo_runs: int | No
         print(f"-- not run over gloo here (--gloo-runs {gloo_runs}): {', '.join(over_gloo[gloo_runs:])}")
         over_gloo = over_gloo[:gloo_runs]
     if over_gloo:  # one process group for every mode
-        run = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-             "tools.check_exactness", "--mode", ",".join(over_gloo), "--backend", "gloo", "--seq-length", str(seq),
-             "--dtypes", ",".join(names)],
-            capture_output=True, text=True, timeout=max(60, 4 * timeout * len(over_gloo)),
-        )  # fmt: skip
-        print(f"-- {', '.join(over_gloo)}: 2 ranks over gloo, {device.type} tensors (exit {run.returncode})")
-        print(run.stdout[-4000:] or run.stderr[-1500:])
-        ok &= run.returncode == 0
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "tools.check_exactness", "--mode", ",".join(over_gloo), "--backend", "gloo",
+                   "--seq-length", str(seq), "--dtypes", ",".join(names)]  # fmt: skip
+        returncode = relayed(command, timeout=max(60, 4 * timeout * len(over_gloo)))
+        print(f"-- {', '.join(over_gloo)}: 2 ranks over gloo, {device.type} tensors (exit {returncode})", flush=True)
+        ok &= returncode == 0
     if simulate_these:
         print(
             "-- modes gloo cannot run with these tensors: "
