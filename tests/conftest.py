@@ -5,9 +5,9 @@ Tiers:
     python -m pytest -m "not slow"    the fast tier: one process, no scripts (under a minute)
 
 A test is slow when it starts processes: gloo ranks (tests/ranks.py), torchrun,
-or a script in a subprocess. `SLOW` below lists them; nothing else marks tests. A test that is
-not listed and starts a process fails at once with a message naming this file, so the list
-stays true as tests are added.
+or a script in a subprocess. Such a test carries `@pytest.mark.slow` (a module of them,
+`pytestmark = pytest.mark.slow`). A test without the marker that starts a process fails at once
+with a message saying so, so the markers stay true as tests are added.
 
 Hygiene:
 - Every test starts with the process state the library reads at call time (the EASY_CONTEXT_*
@@ -32,133 +32,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ALL = "*"
-# module -> ALL, or the names of its tests (parametrizations included) that start processes
-SLOW = {
-    "test_api": {
-        "test_import_needs_only_torch_and_transformers",
-    },
-    "test_architectures_exact": ALL,
-    "test_attention_functions": ALL,
-    "test_bad_inputs": {
-        "test_a_bad_replica_check_setting_is_refused_at_the_first_forward",
-        "test_eval_scripts_refuse_impossible_layouts",
-        "test_train_refuses_bad_runs_with_one_line",
-    },
-    "test_clean_exit": ALL,
-    "test_deepspeed": ALL,
-    "test_demo": ALL,
-    "test_dispatch_counts": ALL,
-    "test_device_placement": {
-        "test_every_collective_gets_tensors_made_on_the_data_device",
-    },
-    "test_compile": ALL,
-    "test_dist_flash_attn": {
-        "test_checkpointed_backward_does_not_recompute_forward_attention",
-        "test_measured_work_is_balanced_at_four_ranks",
-        "test_recompute_that_differs_on_one_rank_does_not_hang",
-        "test_zigzag_checkpointed_backward_does_not_recompute_forward_attention",
-    },
-    "test_errors": {
-        "test_forgotten_positions_and_unsplittable_heads_are_refused_on_every_rank",
-    },
-    "test_fsdp": ALL,
-    "test_train_fsdp": ALL,
-    "test_elastic": ALL,
-    "test_eval": {
-        "test_eval_needle_parallel_equals_single_process_and_writes_the_grid",
-        "test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun",
-        "test_eval_ppl_parallel_equals_single_process",
-        "test_eval_ruler_answers_as_one_process_and_writes_the_table",
-        "test_eval_scripts_refuse_bad_input_clearly",
-        "test_generate_script_parallel_equals_single_process",
-        "test_scorer_equals_single_process",
-    },
-    "test_generation": {
-        "test_attention_features_decode_exactly",
-        "test_bf16_generation_is_as_close_to_fp32_as_the_unpatched_bf16_model",
-        "test_cache_is_sharded_and_balanced",
-        "test_generate_refusals_are_clear",
-        "test_greedy_generation_matches_one_process",
-        "test_sampling_and_beams_match_one_process",
-        "test_sliding_window_layers_keep_only_the_window",
-    },
-    "test_gpu_check": {
-        "test_bench_kernels_rows",
-        "test_gpu_check_deadline_reports_what_did_not_run",
-        "test_gpu_check_dry_run",
-        "test_gpu_check_refuses_bad_arguments",
-    },
-    "test_groups": ALL,
-    "test_many_nodes": ALL,
-    "test_nodes": {
-        "test_ranks_that_derive_different_splits_are_refused_on_every_rank",
-    },
-    "test_harness": ALL,
-    "test_hybrids": ALL,
-    "test_lora": ALL,
-    "test_lora_scripts": ALL,
-    "test_masked_models": ALL,
-    "test_model_masks": ALL,
-    "test_mixed_precision": ALL,
-    "test_model_types_scripts": ALL,
-    "test_models": ALL,
-    "test_model_sweep": {
-        "test_the_sweep_proves_the_record",
-        "test_released_configs_are_exact_or_refused_by_name",
-    },
-    "test_plan": {
-        "test_bad_input_messages",
-        "test_cli_table_and_json_agree",
-        "test_local_config_dir_and_cpu_device",
-    },
-    "test_reliability": ALL,
-    "test_replicas": {
-        "test_guard_sees_one_weight_off_by_one_rounding_step",
-        "test_guard_catches_different_initial_weights",
-        "test_guard_stops_training_without_gradient_sync",
-        "test_make_accelerator_gives_ddp_and_the_guard_stays_quiet",
-    },
-    "test_rope": {
-        "test_every_rope_type_trains_and_evaluates_exactly_in_every_mode_at_two_ranks",
-        "test_generation_with_every_length_dependent_rope_matches_model_generate",
-        "test_length_dependent_rope_under_usp_at_four_ranks",
-    },
-    "test_scripts_smoke": ALL,
-    "test_train": {
-        "test_a_text_dataset_trains_packed_and_resumes_exactly",
-        "test_bad_inputs_get_clear_messages",
-        "test_document_masking_trains_like_data_parallel",
-        "test_every_mode_and_the_memory_options_train_like_data_parallel",
-    },
-    "test_trainer": {
-        "test_sft_trainer",
-        "test_sft_trainer_bf16_close_to_single_process",
-        "test_trainer_left_padding_and_document_split",
-        "test_trainer_matches_single_process",
-        "test_trainer_misuse_on_two_ranks",
-        "test_trainer_resume_from_checkpoint",
-        "test_trainer_trains_a_hybrid_like_one_process",
-        "test_trainer_world_4",
-    },
-}
-
-
-def _is_slow(item) -> bool:
-    listed = SLOW.get(item.module.__name__.rpartition(".")[2])
-    return listed == ALL or (listed is not None and item.originalname in listed)
-
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: starts processes (gloo ranks, torchrun, scripts); listed in conftest.SLOW"
-    )
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _is_slow(item):
-            item.add_marker(pytest.mark.slow)
+    config.addinivalue_line("markers", "slow: starts processes (gloo ranks, torchrun, scripts); see tests/conftest.py")
 
 
 # Modules whose tests compare the floating-point results of model runs: fp32 against bounds
@@ -252,7 +128,7 @@ class _StartsProcessError(AssertionError):
 
 def _refuse(*args, **kwargs):
     raise _StartsProcessError(
-        "this test starts a process but is not listed as slow: add it to SLOW in tests/conftest.py "
+        "this test starts a process but is not marked slow: give it @pytest.mark.slow "
         "(the fast tier, pytest -m 'not slow', runs in one process)"
     )
 

@@ -19,6 +19,8 @@ from easy_context import (
 )
 from easy_context.hf import active_patch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 SEQ = 128
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py
 

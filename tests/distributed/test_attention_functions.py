@@ -12,6 +12,8 @@ from easy_context.core.layout import Layout
 from easy_context.modes.dist_flash_attn import dist_flash_attention
 from easy_context.modes.zigzag_ring_attn import zigzag_ring_attention
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 # name -> (function(q, k, v, scale, group), zigzag layout?)
 FUNCTIONS = {"zigzag": (zigzag_ring_attention, True), "dist_flash": (dist_flash_attention, False)}
 

@@ -18,6 +18,8 @@ from tiny_models import tiny_batch, tiny_model
 from easy_context import apply_seq_parallel_monkey_patch, gather_seq_parallel_outputs, prepare_seq_parallel_inputs
 from easy_context import remove_seq_parallel_monkey_patch as unpatch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 MODE, SEQ, BACKEND = "zigzag_ring_attn", 128, "aot_eager"
 
 

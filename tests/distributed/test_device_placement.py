@@ -239,6 +239,7 @@ def test_recorder_sees_a_cpu_flag_and_accepts_placed_tensors():
     assert before == (torch.tensor, torch.zeros, dist.all_reduce, c10d.isend, torch.Tensor.to)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_collective_gets_tensors_made_on_the_data_device():
     reports = run_ranks(placement_worker, 2, RUNS)

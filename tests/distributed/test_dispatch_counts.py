@@ -12,6 +12,8 @@ from ranks import run_ranks
 
 from benchmarks import dispatch_counts
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 SPEC = dispatch_counts.spec_for(seq_len=1024, window=128)
 SYNCS_PER_STEP = 20  # plans, the loss's all-reduce, the first forward's checks: none per layer or row
 OPS_RATIO = {"causal": 1.3, "packed": 1.5, "window": 1.5}  # issue 29's bounds

@@ -39,6 +39,7 @@ def _measured_products(rank, world_size):
     return FORWARD_CALLS.products
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_measured_work_is_balanced_at_four_ranks():
     products = run_ranks(_measured_products, 4)
@@ -83,6 +84,7 @@ def _checkpointed_worker(rank, world_size, use_reentrant):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpointed_backward_does_not_recompute_forward_attention(use_reentrant):
@@ -119,6 +121,7 @@ def _zigzag_with_layer_worker(rank, world_size, use_reentrant):
         zigzag.MODE = registered
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_zigzag_checkpointed_backward_does_not_recompute_forward_attention(use_reentrant):
@@ -164,6 +167,7 @@ def _nondeterministic_recompute_worker(rank, world_size):
         remove_seq_parallel_monkey_patch()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_recompute_that_differs_on_one_rank_does_not_hang():
     # A hang here (the old value fingerprint) ends in run_ranks' timeout with both ranks stuck.

@@ -16,6 +16,8 @@ import torch
 from chaos import Fault, run
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 10, 2  # optimizer steps, and a checkpoint every EVERY steps
 FLAGS = ["--from-scratch", "--seq-length", "256", "--max-rows", "16", "--log-with", "none"]

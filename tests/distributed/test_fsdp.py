@@ -13,6 +13,8 @@ from easy_context.modes import get_mode
 from easy_context.programs.fsdp import shard_model
 from easy_context.programs.loss import CausalLMLoss, global_token_mean
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 SEQ, ROWS_PER_GROUP = 128, 1
 # GRAD_TOL: relative to each parameter's largest gradient (measured: at most 8.8e-7); a reduction
 # averaged over the wrong ranks is off by a factor of 2 or more

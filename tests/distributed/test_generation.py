@@ -60,6 +60,7 @@ def _greedy_worker(rank, world_size, mode):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mode", ["zigzag_ring_attn", "dist_flash_attn", "ulysses_attn", "usp_attn"])
@@ -86,6 +87,7 @@ def _sampling_worker(rank, world_size, mode):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,world_size", [("zigzag_ring_attn", 2), ("usp_attn", 4)])
 def test_sampling_and_beams_match_one_process(mode, world_size):
@@ -118,6 +120,7 @@ def _features_worker(rank, world_size, mode):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn"])
 def test_attention_features_decode_exactly(mode):
@@ -155,6 +158,7 @@ def _bf16_worker(rank, world_size):
     return [(float((a - w).abs().max()), float((b - w).abs().max())) for a, b, w in zip(ours, theirs, want)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bf16_generation_is_as_close_to_fp32_as_the_unpatched_bf16_model():
     """bf16: within 2x (plus 1/256) the unpatched bf16 model's own error, as the other bf16 tests."""
@@ -188,6 +192,7 @@ def _cache_worker(rank, world_size):
     return cache.length, cache.positions, [(layer.used, layer.keys.shape[-2]) for layer in cache.layers]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cache_is_sharded_and_balanced():
     per_rank = run_ranks(_cache_worker, 2)
@@ -224,6 +229,7 @@ def _window_worker(rank, world_size):
     return torch.equal(got, model.generate(ids, attention_mask=mask, **kwargs)), cache.length, layers
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sliding_window_layers_keep_only_the_window():
     for same, length, layers in run_ranks(_window_worker, 2):
@@ -274,6 +280,7 @@ def _refusals_worker(rank, world_size):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_generate_refusals_are_clear():
     found = run_ranks(_refusals_worker, 2)[0]

@@ -6,6 +6,8 @@ import pytest
 import torch
 from ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 # (world, sp_size, ring_degree), in the order every rank asks for them
 TOPOLOGIES = [(4, 2, 2), (4, 2, 1), (4, 4, 2), (4, 4, 4), (4, 4, 1), (4, 1, 1)]
 

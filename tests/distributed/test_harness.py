@@ -17,6 +17,8 @@ import pytest
 import torch
 from ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "models" / "demo-base")
 MAX_LENGTH = 512  # the base's context; one request and the rolling text are longer (truncated, windows)

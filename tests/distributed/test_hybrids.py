@@ -21,6 +21,8 @@ from tools import exact_step, sweep_models
 from tools.hybrid_checks import compare_generation, each_document_alone, packed_batch, prompts, with_long_memory
 from tools.tiny_configs import tiny_config
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py
 # one of each family: Gated DeltaNet, Mamba-2 with groups of B/C, Mamba-2 with one group, short convolutions
 FAMILIES = ("qwen3_next", "nemotron_h", "bamba", "lfm2")

@@ -18,6 +18,8 @@ from trainer_runs import train
 from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, remove_seq_parallel_monkey_patch
 from easy_context.hf import replicas
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-6
 RANK = 4
 SEQ = 64

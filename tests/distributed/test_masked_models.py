@@ -23,6 +23,8 @@ from easy_context.core import kernels
 from easy_context.core.backends import flex as flex_backend
 from easy_context.hf import active_patch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 SEQ = 96
 
 

@@ -26,6 +26,8 @@ from tiny_models import tiny_batch, tiny_model
 from easy_context import apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs, remove_seq_parallel_monkey_patch
 from easy_context.hf import active_patch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, STEPS, LR = 128, 3, 3e-3
 MODEL_TYPES = ("llama", "qwen3", "gemma2", "gpt_oss")  # GQA (4 query / 2 KV heads); qwen3: q/k norms, head_dim 16;

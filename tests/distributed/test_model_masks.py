@@ -13,6 +13,8 @@ from ranks import run_ranks
 
 from tools import sweep_models
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 WINDOW = 40  # tools/tiny_configs.WINDOW: shorter than the sweep's sequence
 CASES = {
     # windows in the mask only (create_sliding_window_causal_mask), no argument

@@ -16,6 +16,8 @@ from easy_context import (
 )
 from easy_context.hf import active_patch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 SEQ = 128
 # (model type, batch, dtype, attn_implementation the model was created with)
 FP32_CASES = [(m, b, torch.float32, "sdpa") for m in MODEL_TYPES for b in (1, 2)] + [

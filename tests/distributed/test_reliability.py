@@ -17,6 +17,8 @@ import torch
 from ranks import run_ranks
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--from-scratch", "--seq-length", "256", "--max-rows", "16", "--log-with", "none"]
 SMALL += ["--parallel_mode", "zigzag_ring_attn"]

@@ -63,6 +63,7 @@ def _train_steps(rank, world, setup: str, steps: int = 3):
     return accelerator.distributed_type.name, error, forwards
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_guard_stops_training_without_gradient_sync():
     results = run_ranks(_train_steps, 2, "gloo-group-only", timeout=180)
@@ -72,6 +73,7 @@ def test_guard_stops_training_without_gradient_sync():
         assert "Accelerator(cpu=True)" in error and "not being averaged" in error
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_make_accelerator_gives_ddp_and_the_guard_stays_quiet():
     for distributed_type, error, forwards in run_ranks(_train_steps, 2, "make_accelerator", 4, timeout=180):
@@ -92,6 +94,7 @@ def _forward_with_seed(rank, world, seed):
         remove_seq_parallel_monkey_patch()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_guard_catches_different_initial_weights():
     """Ranks that forgot to seed alike: caught at the first forward, on every rank."""
@@ -136,6 +139,7 @@ def _forward_then_nudge_one_weight(rank, world, relative):
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_guard_sees_one_weight_off_by_one_rounding_step():
     """Fine-tuning at lr 1e-5 moves weights by about 1e-5 relative per step; a guard that lets a

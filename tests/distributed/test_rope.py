@@ -122,6 +122,7 @@ def test_every_proven_rope_type_is_one_transformers_has_and_the_others_are_refus
     assert active_patch() is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_rope_type_trains_and_evaluates_exactly_in_every_mode_at_two_ranks():
     results = run_ranks(_all_modes_worker, 2, timeout=560)[0]
@@ -187,6 +188,7 @@ def _generation_worker(rank, world_size, mode):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_generation_with_every_length_dependent_rope_matches_model_generate():
     results = run_ranks(_generation_modes_worker, 2, timeout=560)[0]
@@ -203,6 +205,7 @@ def _generation_modes_worker(rank, world_size):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_length_dependent_rope_under_usp_at_four_ranks():
     """Ulysses x ring: the ranks of one ring group hold other lengths than their Ulysses peers."""

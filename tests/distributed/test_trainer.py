@@ -68,6 +68,7 @@ MODES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("collator", ["padded", "packed"])
 @pytest.mark.parametrize("mode,options", MODES, ids=[m for m, _ in MODES])
@@ -76,6 +77,7 @@ def test_trainer_matches_single_process(mode, options, collator):
     _assert_exact(_run(2, mode, collator, options=options), _reference(collator, batch=2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "mode,collator,options,reference_batch,balance_work",
@@ -92,6 +94,7 @@ def test_trainer_world_4(mode, collator, options, reference_batch, balance_work)
     _assert_exact(results, _reference(collator, batch=reference_batch, balance_work=balance_work))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_left_padding_and_document_split():
     """Left-padded rows, and packed rows under document_split (a layout per row: every document
@@ -105,6 +108,7 @@ def test_trainer_left_padding_and_document_split():
 GRANITE_4_H = dict(layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3, position_embedding_type="nope")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_trainer_trains_a_hybrid_like_one_process():
     """Qwen3-Next (Gated DeltaNet layers and attention) under the Trainer: right-padded rows, the
@@ -125,6 +129,7 @@ def test_trainer_trains_a_hybrid_like_one_process():
     _assert_exact(_run(2, "ulysses_attn", "padded", **granite), reference)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_resume_from_checkpoint():
     """save_steps=2, then a new Trainer resumes from checkpoint-2: the same step-3 loss and
@@ -141,6 +146,7 @@ def test_trainer_resume_from_checkpoint():
         assert weights <= WEIGHT_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("collation", ["packed", "padding-free"])
 def test_sft_trainer(collation):
@@ -150,6 +156,7 @@ def test_sft_trainer(collation):
     _assert_exact(_run(2, "zigzag_ring_attn", collation, sft=True), _reference(collation, batch=2, sft=True))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sft_trainer_bf16_close_to_single_process():
     """bf16 autocast (SFTConfig's default on GPUs): per-step losses within 2e-3 of the bf16
@@ -256,6 +263,7 @@ def test_streaming_data_with_several_dp_groups_is_refused():
         trainer.accelerator.prepare_data_loader(DataLoader(Stream()))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_trainer_misuse_on_two_ranks():
     for errors in run_ranks(misuse, 2, timeout=140):

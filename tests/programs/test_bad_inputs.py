@@ -102,6 +102,7 @@ def run(script, *flags, env=None):
     return result.returncode, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_train_refuses_bad_runs_with_one_line(tmp_path):
     malformed = tmp_path / "malformed.jsonl"
@@ -154,6 +155,7 @@ def test_train_refuses_bad_runs_with_one_line(tmp_path):
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_eval_scripts_refuse_impossible_layouts():
     for script in ("eval_ppl.py", "eval_needle.py"):
@@ -163,6 +165,7 @@ def test_eval_scripts_refuse_impossible_layouts():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_bad_replica_check_setting_is_refused_at_the_first_forward(tmp_path):
     code, stderr = run(

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
 RUNS = 3
 # tests/user_scripts/exit_report/sitecustomize.py: each worker's exit hook that runs last writes

@@ -14,6 +14,8 @@ import torch
 from ranks import require_deepspeed
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "accelerate_configs" / "cpu_zero3_offload.yaml"
 SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--from-scratch"]

@@ -42,6 +42,7 @@ def scorer_worker(rank, world_size, mode, length):
     return logits, targets, scores
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["zigzag_ring_attn", "ulysses_attn", "dist_flash_attn"])
 def test_scorer_equals_single_process(mode):
@@ -92,6 +93,7 @@ def read_csv(path, reader=csv.DictReader) -> list:
         return list(reader(f))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_eval_ppl_parallel_equals_single_process(tmp_path, saved_model):
     flags = [
@@ -146,6 +148,7 @@ def test_eval_ppl_parallel_equals_single_process(tmp_path, saved_model):
     assert (tmp_path / "both.png").stat().st_size > 1000 and (tmp_path / "both.pdf").exists(), plot.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path, saved_model):
     flags = [
@@ -221,6 +224,7 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
     assert [r["depth"] for r in rows] == ["0.0", "1.0"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, saved_model):
     """The GPU recipe's path (accelerate + DeepSpeed ZeRO-3 inference) on CPU: every rank must
@@ -275,6 +279,7 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
         assert x["generated"] == y["generated"]  # generate under ZeRO-3 (synced_gpus: every rank steps together)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_eval_scripts_refuse_bad_input_clearly(tmp_path):
     """Launched: no model where the default one is looked for (exit 2, one line, no traceback)."""
@@ -303,6 +308,7 @@ def test_eval_scripts_refuse_bad_flags_clearly(tmp_path, capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err, (script.__name__, flags)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_eval_ruler_answers_as_one_process_and_writes_the_table(tmp_path):
     """eval_ruler.py at P=2 (zigzag_ring_attn) on the shipped base: a row per (task, length,
@@ -411,6 +417,7 @@ def test_passkey_prompt_and_too_short_contexts():
         build_prompt(tokenizer, haystack, PASSKEY, 60, 0.5, key="", value="68231")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_generate_script_parallel_equals_single_process(tmp_path, saved_model):
     prompt = tmp_path / "prompt.txt"

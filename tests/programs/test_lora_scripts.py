@@ -16,6 +16,8 @@ from tiny_models import tiny_model
 
 from easy_context.programs.data import BYTE_EOS_ID, byte_tokenizer
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 LORA = ["--lora-r", "4", "--max-train-steps", "3", "--learning-rate", "1e-2"]
 MODES = {
     "zigzag": ["--parallel_mode", "zigzag_ring_attn", "--activation-checkpointing"],  # LoRA's usual companion

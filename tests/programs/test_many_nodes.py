@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 from test_train import ROOT, SMALL, train
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 STEPS = ["--max-train-steps", "3", "--gradient-accumulate-every", "2"]
 
 

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GOAL = 70  # issue 41: at least 70 model types exact in every mode
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_sweep_proves_the_record(tmp_path):
     """Every type, and each supported type's variants (issue 56): a window set and unset in every
@@ -108,6 +109,7 @@ def test_the_docs_sweep_table_agrees_with_the_record():
     assert not stale, f"docs/model_types.md's sweep table is stale for {stale}: paste python -m tools.sweep_models"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_released_configs_are_exact_or_refused_by_name():
     """Every released config of tests/data/released_configs/ (shrunk, features kept:

@@ -4,6 +4,8 @@ data_parallel, eval_ppl runs Gemma 2 (softcap) and eval_needle runs gpt-oss (sin
 import pytest
 from tiny_models import ARCHITECTURES, tiny_model
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 SEQ = 128
 MODES = ["zigzag_ring_attn", "ulysses_attn", "dist_flash_attn"]  # one mode of each family
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py

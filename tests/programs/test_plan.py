@@ -29,6 +29,7 @@ def table_rows(stdout: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_table_and_json_agree():
     args = ["--model", "llama-3-8b", "--seq-length", "262144", "--gpus", "8", "--gpu", "h100-80g", "--top", "12"]
@@ -51,6 +52,7 @@ def test_cli_table_and_json_agree():
     assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in fitting)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_local_config_dir_and_cpu_device():
     out = cli("--model", "configs/tiny-llama", "--seq-length", "4096", "--gpus", "2", "--gpu", "cpu", "--json", "--all")
@@ -133,6 +135,7 @@ def run_main(capsys, *args):
     return code, captured.out, captured.err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bad_input_messages(capsys):
     out = cli("--model", "no-such-model-xyz", "--seq-length", "4096")  # through the real entry point once

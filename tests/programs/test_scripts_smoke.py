@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_ATTENTION = [sys.executable, "-m", "benchmarks.bench_attention"]  # run from ROOT
 

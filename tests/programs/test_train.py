@@ -44,6 +44,7 @@ def train(tmp_path, name, processes, *flags, timeout=240, env=None):
     return [entry["loss"] for entry in log], out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_mode_and_the_memory_options_train_like_data_parallel(tmp_path):
     steps = ["--max-train-steps", "4", "--gradient-accumulate-every", "2"]
@@ -120,6 +121,7 @@ def run_train_single(*flags):
     return result.returncode, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bad_inputs_get_clear_messages(tmp_path):
     short = tmp_path / "short.jsonl"
@@ -170,6 +172,7 @@ def test_bad_inputs_get_clear_messages(tmp_path):
         assert code == 2 and message in stderr and "Traceback" not in stderr, (flags, stderr[-2000:])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_document_masking_trains_like_data_parallel(tmp_path):
     """--document-masking: positions restart after each EOS in every mode, and the losses equal
@@ -196,6 +199,7 @@ def test_document_masking_trains_like_data_parallel(tmp_path):
         assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("streaming", [False, True], ids=["arrow", "streaming"])
 def test_a_text_dataset_trains_packed_and_resumes_exactly(tmp_path, streaming):

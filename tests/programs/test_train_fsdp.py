@@ -6,6 +6,8 @@ import pytest
 from safetensors.torch import load_file
 from test_train import train
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
 STEPS = ["--max-train-steps", "4", "--gradient-accumulate-every", "2"]
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-6  # measured: losses 4.8e-7, weights 3.3e-7
 

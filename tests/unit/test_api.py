@@ -24,6 +24,7 @@ def _unpatched():
     remove_seq_parallel_monkey_patch()
 
 
+@pytest.mark.slow
 def test_import_needs_only_torch_and_transformers():
     import subprocess
     import sys

@@ -104,6 +104,7 @@ def _two_rank_errors_worker(rank, world_size):
     return forgotten_positions, heads
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_forgotten_positions_and_unsplittable_heads_are_refused_on_every_rank():
     for rank, (positions, heads) in enumerate(run_ranks(_two_rank_errors_worker, 2)):

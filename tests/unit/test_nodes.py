@@ -164,6 +164,7 @@ def _split_with_node_size(rank, world, node_sizes):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_that_derive_different_splits_are_refused_on_every_rank():
     from ranks import run_ranks
