@@ -49,6 +49,7 @@ SLOW = {
     "test_deepspeed": ALL,
     "test_demo": ALL,
     "test_dispatch_counts": ALL,
+    "test_dpo_trainer": ALL,
     "test_device_placement": {
         "test_every_collective_gets_tensors_made_on_the_data_device",
     },
@@ -177,6 +178,7 @@ NUMERIC = {
     "test_compile",
     "test_deepspeed",
     "test_dist_flash_attn",
+    "test_dpo_trainer",
     "test_elastic",
     "test_eval",
     "test_flex_kernel",
