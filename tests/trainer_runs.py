@@ -248,7 +248,8 @@ def save_preference_data(folder: str) -> None:
 
 
 def train_dpo(rank: int, world: int, spec: dict) -> list:
-    """TRL's DPOTrainer for each of spec["configs"] (loss_type list, precompute_ref_log_probs), one
+    """TRL's DPOTrainer for each of spec["configs"] (loss_type list, precompute_ref_log_probs, other
+    DPOConfig fields as (name, value) pairs), one
     after the other, on save_preference_data(spec["data"]): per-step losses and logged DPO metrics,
     the eval loss, the final policy weights. spec["mode"] None: the unpatched reference in one process."""
     _as_distributed(rank, world)
@@ -268,7 +269,7 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
             self.into.append(dict(logs or {}))
 
     results = []
-    for loss_type, precompute in spec["configs"]:
+    for loss_type, precompute, extra in spec["configs"]:
         records = []
 
         with tempfile.TemporaryDirectory() as out:
@@ -277,7 +278,7 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
                 per_device_train_batch_size=2,
                 per_device_eval_batch_size=2,
                 max_steps=spec.get("steps", 2),
-                learning_rate=0.5,
+                learning_rate=0.1,
                 optim="sgd",
                 lr_scheduler_type="constant",
                 logging_steps=1,
@@ -288,11 +289,12 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
                 disable_tqdm=True,
                 loss_type=loss_type,
                 beta=0.5,
-                label_smoothing=0.1 if "robust" in loss_type else 0.0,
+                label_smoothing=0.1 if {"robust", "exo_pair"} & set(loss_type) else 0.0,
                 precompute_ref_log_probs=precompute,
                 bf16=False,  # DPOConfig defaults to bf16 autocast; gradient checkpointing stays on (its default)
                 max_length=None,
                 dataset_num_proc=None,
+                **dict(extra),
             )
             trainer_class = DPOTrainer if spec["mode"] else type("ReferenceDPOTrainer", (SeededShuffle, DPOTrainer), {})
             trainer = trainer_class(
