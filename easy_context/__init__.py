@@ -6,7 +6,7 @@ Public API (everything a training or evaluation script needs):
         sp.shard(input_ids, position_ids=None, target_ids=None, attention_mask=None)   this rank's share
         sp.gather(local, dim=1, token_index=None)   the SP group's tensors back in sequence order
         sp.dataloader(loader, accelerator)   one data stream per SP group
-        sp.trainer(trainer)                  HF Trainer / TRL SFTTrainer in one line
+        sp.trainer(trainer)                  HF Trainer / TRL SFTTrainer / DPOTrainer in one line
         sp.generate(model, input_ids, attention_mask=None, **generate_kwargs)   KV cache sharded
         sp.check_same(tensors, error)        every rank of the SP group holds the same tensors
     teardown()                               transformers' own attention again
@@ -33,7 +33,7 @@ Package map (rooms; docs/architecture.md draws them):
     modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in
                 __init__, the pieces of their cost declarations in costs.py
     hf/         the transformers integration: context (SequenceParallel), api, patch, admission, mask_check,
-                architectures, replicas, generation, sharded_cache, trainer
+                architectures, replicas, generation, sharded_cache, trainer, preference
     programs/   what train.py, the eval scripts and the planner need: training/ (train.py's steps and
                 flags), launch, data/, models, loss,
                 checkpointing, tiled_mlp, needle, ruler (+ ruler_tasks/), evaluation, harness

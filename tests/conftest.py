@@ -53,6 +53,7 @@ NUMERIC = {
     "test_compile",
     "test_deepspeed",
     "test_dist_flash_attn",
+    "test_dpo_trainer",
     "test_elastic",
     "test_eval",
     "test_flex_kernel",

@@ -1,4 +1,5 @@
-"""One HF Trainer run on tiny data, for tests/distributed/test_trainer.py (importable by spawned ranks).
+"""One HF Trainer run on tiny data, for tests/distributed/test_trainer.py (importable by spawned ranks);
+`train_dpo`: TRL's DPOTrainer runs for tests/distributed/test_dpo_trainer.py.
 
 `train(rank, world, spec)` trains a tiny Llama with transformers.Trainer (or TRL's
 SFTTrainer) and returns the per-step losses, the eval loss and the final weights. With
@@ -218,3 +219,100 @@ def misuse(rank: int, world: int) -> dict:
         errors["different rows"] = str(error)
     ec.remove_seq_parallel_monkey_patch()
     return errors
+
+
+def preference_pairs(count: int, seed: int) -> dict:
+    """Text preference pairs for the byte tokenizer: half with long prompts and short answers,
+    half the reverse (row lengths that no layout divides)."""
+    rng = random.Random(seed)
+
+    def text(low, high):
+        return "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randrange(low, high)))
+
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for i in range(count):
+        long_prompt = i % 2 == 0
+        rows["prompt"].append(text(40, 70) if long_prompt else text(2, 6))
+        rows["chosen"].append(text(1, 5) if long_prompt else text(30, 60))
+        rows["rejected"].append(text(1, 5) if long_prompt else text(30, 60))
+    return rows
+
+
+def save_preference_data(folder: str) -> None:
+    """The train and eval pairs on disk: TRL caches precomputed reference log-probs next to a
+    dataset's files, which an in-memory dataset lacks (and every rank must read one folder)."""
+    from datasets import Dataset
+
+    Dataset.from_dict(preference_pairs(8, seed=3)).save_to_disk(f"{folder}/train")
+    Dataset.from_dict(preference_pairs(4, seed=4)).save_to_disk(f"{folder}/eval")
+
+
+def train_dpo(rank: int, world: int, spec: dict) -> list:
+    """TRL's DPOTrainer for each of spec["configs"] (loss_type list, precompute_ref_log_probs, other
+    DPOConfig fields as (name, value) pairs), one
+    after the other, on save_preference_data(spec["data"]): per-step losses and logged DPO metrics,
+    the eval loss, the final policy weights. spec["mode"] None: the unpatched reference in one process."""
+    _as_distributed(rank, world)
+    import tempfile
+
+    from datasets import load_from_disk
+    from transformers import TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    import easy_context as ec
+
+    class RecordLogs(TrainerCallback):
+        def __init__(self, into):
+            self.into = into
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.into.append(dict(logs or {}))
+
+    results = []
+    for loss_type, precompute, extra in spec["configs"]:
+        records = []
+
+        with tempfile.TemporaryDirectory() as out:
+            config = DPOConfig(
+                output_dir=out,
+                per_device_train_batch_size=2,
+                per_device_eval_batch_size=2,
+                max_steps=spec.get("steps", 2),
+                learning_rate=0.1,
+                optim="sgd",
+                lr_scheduler_type="constant",
+                logging_steps=1,
+                save_strategy="no",
+                report_to=[],
+                use_cpu=True,
+                seed=7,
+                disable_tqdm=True,
+                loss_type=loss_type,
+                beta=0.5,
+                label_smoothing=0.1 if {"robust", "exo_pair"} & set(loss_type) else 0.0,
+                precompute_ref_log_probs=precompute,
+                bf16=False,  # DPOConfig defaults to bf16 autocast; gradient checkpointing stays on (its default)
+                max_length=None,
+                dataset_num_proc=None,
+                **dict(extra),
+            )
+            trainer_class = DPOTrainer if spec["mode"] else type("ReferenceDPOTrainer", (SeededShuffle, DPOTrainer), {})
+            trainer = trainer_class(
+                model=tiny_llama(),
+                ref_model=tiny_llama(),
+                args=config,
+                train_dataset=load_from_disk(f"{spec['data']}/train"),
+                eval_dataset=load_from_disk(f"{spec['data']}/eval"),
+                processing_class=tokenizer(),
+                callbacks=[RecordLogs(records)],
+            )
+            if spec["mode"] is not None:
+                ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
+            trainer.train()
+            eval_loss = trainer.evaluate()["eval_loss"]
+            ec.remove_seq_parallel_monkey_patch()
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        train_logs = [log for log in records if "loss" in log]
+        results.append({"logs": train_logs, "eval_loss": eval_loss, "weights": weights})
+    return results

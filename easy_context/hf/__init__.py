@@ -17,7 +17,8 @@ what runs on it (generation, the Trainer adapter, the replica guard).
     replicas.py       a guard: the ranks of an SP group must hold the same weights
     generation.py     generate in a context: prompt checks, sharded prefill, then transformers' decoding
     sharded_cache.py  ShardedKVCache: the KV cache sharded over the SP group, exact attention per step
-    trainer.py        prepare_trainer in a context: HF Trainer / TRL SFTTrainer in one line
+    trainer.py        prepare_trainer in a context: HF Trainer / TRL SFTTrainer / DPOTrainer in one line
+    preference.py     TRL's DPOTrainer: its fused log-prob forwards sharded, per-token outputs summed over the group
     accelerate_parallelism.py  refuses accelerate's own context / sequence parallelism next to ours
 """
 

@@ -276,6 +276,15 @@ def test_hf_trainer_example(tmp_path, flags):
 
 
 @pytest.mark.timeout(120)
+def test_dpo_example(tmp_path):
+    """examples/dpo.py: TRL's DPOTrainer, one step on 2 CPU processes (zigzag_ring_attn; short
+    prompts: about 11 s). Its exactness is tests/distributed/test_dpo_trainer.py's."""
+    flags = ("--max-steps", "1", "--prompt-chars", "200", "--output-dir", str(tmp_path))
+    out = run_example("dpo.py", 2, *flags, timeout=110)
+    assert "'eval_loss'" in out.stdout
+
+
+@pytest.mark.timeout(120)
 def test_the_training_loop_example_equals_one_process():
     """examples/training_loop.py (the docs' and the README's custom loop): its losses at 2 ranks
     (zigzag_ring_attn) equal those of one unpatched process on the whole sequence."""

@@ -1,0 +1,71 @@
+"""prepare_trainer accepts only the trainers proven exact (transformers.Trainer, TRL's SFTTrainer
+and DPOTrainer) and their subclasses that leave the loss and the inputs alone; any other
+trainer (TRL's GRPO, RLOO, KTO, Reward, ... or a subclass with its own compute_loss) is
+refused, naming the class and what is supported (issue 60: the class was not checked, and a
+trainer computing its own loss from its own inputs got the SFT sharding in front of it)."""
+
+import pytest
+import torch
+
+import easy_context as ec
+
+
+def _trainer(cls, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    return cls(model=LlamaForCausalLM(config), args=args)
+
+
+def test_trainers_that_bring_their_own_loss_or_inputs_are_refused_by_name(tmp_path):
+    from transformers import Trainer, TrainerCallback
+
+    class OwnLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class LoggingTrainer(Trainer):  # callbacks and logging only: trains as Trainer does
+        def log(self, logs, start_time=None):
+            super().log(logs, start_time)
+
+    try:
+        with pytest.raises(ValueError) as caught:
+            ec.prepare_trainer("zigzag_ring_attn", _trainer(OwnLossTrainer, tmp_path))
+        message = str(caught.value)
+        assert "OwnLossTrainer (a subclass of transformers.Trainer) overrides ['compute_loss']" in message
+        assert "'trl.DPOTrainer', 'trl.SFTTrainer', 'transformers.Trainer'" in message
+        trainer = _trainer(LoggingTrainer, tmp_path)
+        trainer.add_callback(TrainerCallback())
+        assert ec.prepare_trainer("zigzag_ring_attn", trainer) is trainer
+    finally:
+        ec.remove_seq_parallel_monkey_patch()
+
+
+def test_trl_trainers_not_proven_are_refused_and_the_proven_ones_accepted():
+    """By class, without building them (GRPO and RLOO need a reward and generation)."""
+    import trl
+    from transformers import Trainer
+
+    from easy_context.hf.trainer import check_trainer_class
+
+    for name in ("GRPOTrainer", "RLOOTrainer", "KTOTrainer", "RewardTrainer"):
+        with pytest.raises(ValueError, match=f"prepare_trainer: {name} .*overrides .*compute_loss"):
+            check_trainer_class(getattr(trl, name))
+    from trl.experimental.gkd import GKDTrainer  # an SFTTrainer with its own loss
+
+    with pytest.raises(ValueError, match=r"GKDTrainer \(a subclass of trl.SFTTrainer\) overrides"):
+        check_trainer_class(GKDTrainer)
+    for cls in (Trainer, trl.SFTTrainer, trl.DPOTrainer, type("Tagged", (trl.DPOTrainer,), {"_tag_names": ["x"]})):
+        check_trainer_class(cls)
+    with pytest.raises(ValueError, match="prepare_trainer: object is not a transformers.Trainer"):
+        check_trainer_class(object)
