@@ -52,8 +52,9 @@ def test_trainers_that_bring_their_own_loss_or_inputs_are_refused_by_name(tmp_pa
 
 
 def test_trl_trainers_not_proven_are_refused_and_the_proven_ones_accepted():
-    """By class, without building them (GRPO and RLOO need a reward and generation)."""
-    import trl
+    """By class, without building them (GRPO and RLOO need a reward and generation). TRL is a test
+    dependency of the pinned stage; the floors' fast tier installs only the library's floors."""
+    trl = pytest.importorskip("trl", reason="TRL is not installed (the floor versions' stage)")
     from transformers import Trainer
 
     from easy_context.hf.trainer import check_trainer_class
