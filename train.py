@@ -39,10 +39,10 @@ from easy_context.programs.launch import Stage, injected_fault, run_job, run_mai
 from easy_context.programs.loss import global_token_mean
 from easy_context.programs.training import flags
 from easy_context.programs.training.batches import ShardedBatches, build_data
-from easy_context.programs.training.flags import DEMO_BASE  # noqa: F401 (the default model, for tests and tools)
 from easy_context.programs.training.model import build_model, build_optimizer, load_model  # noqa: F401
 from easy_context.programs.training.report import TrainingLog, save_model, write_summary
 from easy_context.programs.training.run import Run, resume_run, set_up_run, stop_on_nonfinite_loss
+from easy_context.programs.training.sources import DEMO_BASE  # noqa: F401 (the default model, for tests and tools)
 
 
 def parse_args(argv=None):

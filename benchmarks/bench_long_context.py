@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from easy_context.programs.plan import catalogue, memory, speed
-from easy_context.programs.training.flags import config_path
+from easy_context.programs.training.sources import config_path
 
 GIB = 1 << 30
 
@@ -195,7 +195,8 @@ def _pinned_bytes(device) -> int:
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if device.type != "cuda" or stats is None:
         return 0
-    return int(stats().get("allocated_bytes.all.peak", stats().get("allocated_bytes.peak", 0)))
+    found = stats()
+    return int(found.get("allocated_bytes.all.peak", found.get("allocated_bytes.peak", 0)))
 
 
 def is_out_of_memory(error: BaseException) -> bool:

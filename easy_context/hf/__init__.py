@@ -18,6 +18,7 @@ what runs on it (generation, the Trainer adapter, the replica guard).
     generation.py     generate in a context: prompt checks, sharded prefill, then transformers' decoding
     sharded_cache.py  ShardedKVCache: the KV cache sharded over the SP group, exact attention per step
     trainer.py        prepare_trainer in a context: HF Trainer / TRL SFTTrainer / DPOTrainer in one line
+    trainer_admission.py  the trainer classes and arguments prepare_trainer accepts, checked
     preference.py     TRL's DPOTrainer: its fused log-prob forwards sharded, per-token outputs summed over the group
     accelerate_parallelism.py  refuses accelerate's own context / sequence parallelism next to ours
 """

@@ -100,7 +100,7 @@ def prepare_trainer(mode: str, trainer, balance_work=False, **options):
     """Make a transformers.Trainer, TRL's SFTTrainer or TRL's DPOTrainer train `mode`.
 
     Other trainer classes that override the loss or the inputs (TRL's GRPO, RLOO, KTO, ...)
-    are refused by name (hf/trainer.py: SUPPORTED_TRAINERS, LOSS_AND_INPUT_METHODS).
+    are refused by name (hf/trainer_admission.py: SUPPORTED_TRAINERS, LOSS_AND_INPUT_METHODS).
 
     Call it after creating the trainer and before trainer.train(); every rank calls it.
     Applies the monkey patch for the trainer's model type (if not applied yet) with

@@ -1,7 +1,7 @@
 """HF Trainer, TRL SFTTrainer and TRL DPOTrainer in one line: prepare_trainer(mode, trainer, **options)
 (hf/api.py), which runs `prepare` here in the call's context. Only these classes (and subclasses
 that leave their loss and inputs alone) are accepted: a trainer that computes its own loss from
-its own inputs would get shards that nothing proved it handles (SUPPORTED_TRAINERS, LOSS_AND_INPUT_METHODS).
+its own inputs would get shards that nothing proved it handles (hf/trainer_admission.py).
 
 The trainer keeps doing everything it does (DDP or DeepSpeed, gradient accumulation,
 evaluation, checkpoints, resume); four things change, each for a reason:
@@ -47,38 +47,17 @@ from easy_context.core.groups import get_groups
 from easy_context.core.work_order import WorkBalancedSampler, document_products
 from easy_context.hf import replicas
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
-from easy_context.hf.architectures import check_training_config
-from easy_context.hf.preference import DPOSeqParallelMixin, check_dpo_trainer, is_dpo_trainer, prepare_dpo
+from easy_context.hf.preference import DPOSeqParallelMixin, is_dpo_trainer, prepare_dpo
+from easy_context.hf.trainer_admission import check_trainer
 from easy_context.versions import check_supported
 
-__all__ = ["prepare", "row_work", "check_trainer_class", "SUPPORTED_TRAINERS"]
+__all__ = ["prepare", "row_work"]
 
 IGNORE_INDEX = -100
 # Keys with one value per token that are sharded; the keys below restate the documents that
 # position_ids already describe (flash-attention varlen metadata of padding-free collators).
 PER_TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
 RESTATED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-
-# The trainer classes proven exact (tests/distributed/test_trainer.py, test_dpo_trainer.py), by
-# (module, name): TRL is not imported to recognise its classes.
-SUPPORTED_TRAINERS = (
-    ("trl.trainer.dpo_trainer", "DPOTrainer"),
-    ("trl.trainer.sft_trainer", "SFTTrainer"),
-    ("transformers.trainer", "Trainer"),
-)
-# What a subclass of a supported trainer may not override: the loss, the batches that reach
-# it, the steps that call it. A subclass that overrides none of them (callbacks, logging,
-# samplers, saving) trains as its supported base does.
-LOSS_AND_INPUT_METHODS = (
-    "compute_loss",
-    "_compute_loss",
-    "compute_ref_log_probs",
-    "training_step",
-    "prediction_step",
-    "_prepare_inputs",
-    "_prepare_input",
-    "get_batch_samples",
-)
 
 
 def prepare(context, trainer, balance_work=False):
@@ -90,8 +69,7 @@ def prepare(context, trainer, balance_work=False):
     if getattr(config, "model_type", None) is None:
         raise ValueError("prepare_trainer: the trainer's model has no config.model_type")
     if context.sequence_parallel:
-        check_trainer_class(type(trainer))
-        _check_supported(trainer)
+        check_trainer(trainer)
         check_accelerate_parallelism(trainer.accelerator, context.mode.name)
         if collectives.world_size() > 1 and trainer.accelerator.distributed_type.name == "NO":
             raise ValueError(
@@ -114,55 +92,6 @@ def prepare(context, trainer, balance_work=False):
     if topology.sp_size > 1:
         _read_by_sp_group(trainer, topology)
     return trainer
-
-
-def check_trainer_class(cls: type) -> None:
-    """Refuse a trainer class that is not one of SUPPORTED_TRAINERS, or a subclass of one that
-    overrides one of LOSS_AND_INPUT_METHODS (TRL's GRPO, RLOO, KTO, ORPO, CPO, Reward, ...)."""
-    supported = [f"{module.split('.')[0]}.{name}" for module, name in SUPPORTED_TRAINERS]
-    base = next((c for c in cls.__mro__ if (c.__module__, c.__qualname__) in SUPPORTED_TRAINERS), None)
-    if base is None:
-        raise ValueError(f"prepare_trainer: {cls.__name__} is not a transformers.Trainer; supported: {supported}")
-    changed = [name for name in LOSS_AND_INPUT_METHODS if getattr(cls, name, None) is not getattr(base, name, None)]
-    if changed:
-        where = "" if cls is base else f" (a subclass of {base.__module__.split('.')[0]}.{base.__qualname__})"
-        raise ValueError(
-            f"prepare_trainer: {cls.__name__}{where} overrides {changed}, so its loss or inputs are its own and "
-            f"nothing proves them exact on shards; supported: {supported} and their subclasses that leave "
-            f"{list(LOSS_AND_INPUT_METHODS)} alone"
-        )
-
-
-def _check_supported(trainer) -> None:
-    args = trainer.args
-    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
-        raise ValueError(
-            "train_sampling_strategy='batch_rebalance' is not supported by prepare_trainer (its sampler "
-            "gives every process its own batch; an SP group needs one); use 'random' or 'group_by_length'"
-        )
-    if getattr(args, "eval_use_gather_object", False):
-        raise ValueError(
-            "eval_use_gather_object=True is not supported by prepare_trainer; evaluation results must be tensors"
-        )
-    check_training_config(trainer.model.config)
-    if is_dpo_trainer(type(trainer)):  # its own loss, from its fused LM head's log-probs (hf/preference.py)
-        check_dpo_trainer(trainer)
-        return
-    if getattr(args, "label_smoothing_factor", 0):
-        raise ValueError(
-            f"label_smoothing_factor={args.label_smoothing_factor} is not supported by prepare_trainer "
-            "(the label smoother shifts labels after sharding); set it to 0"
-        )
-    if getattr(trainer, "compute_loss_func", None) is not None:
-        raise ValueError(
-            "compute_loss_func is not supported by prepare_trainer: it would get this rank's share of "
-            "each row; the model's own loss (labels / shift_labels) is"
-        )
-    if not getattr(trainer, "model_accepts_loss_kwargs", True):
-        raise ValueError(
-            f"{type(trainer.model).__name__}.forward takes no **kwargs (num_items_in_batch, shift_labels); "
-            "prepare_trainer needs a model whose loss takes them, as transformers' causal LMs do"
-        )
 
 
 class SeqParallelTrainerMixin:

@@ -252,20 +252,31 @@ def test_a_layer_attends_with_the_window_of_its_mask_not_of_its_argument():
     assert patch.layer_window(module, None, {"sliding_window": 40}) == 40  # no mask built for the call
 
 
-def test_types_that_run_another_familys_code_have_their_rotary_found():
+def test_types_that_run_another_familys_code_have_their_rotary_found(monkeypatch):
     """EXAONE, InternLM3, IQuestCoder (Llama's code), Param2MoE, Sarvam (GLM-4-MoE's, DeepSeek-V3's)
     have no modeling file of their own: the rope patch must find the rotary of the code they run,
-    or `dynamic` rope picks each rank's own length (the sweep's variants: logits off by 7e-2)."""
+    or `dynamic` rope picks each rank's own length (the sweep's variants: logits off by 7e-2).
+    Those this transformers has are asked; the lookup itself is asked on any version, with
+    Llama's modeling file made to look absent."""
+    import importlib
+    import sys
+
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from easy_context.hf import rope
+    from easy_context.hf import modeling, rope
 
-    types = [
-        t
-        for t in ("exaone", "internlm3", "iquestcoder", "param2moe", "sarvam_mla", "sarvam_moe")
-        if t in CONFIG_MAPPING
-    ]
-    if not types:
-        pytest.skip("this transformers has none of these types")
-    for model_type in types:
-        assert rope.rotary_classes(model_type), model_type
+    for model_type in ("exaone", "internlm3", "iquestcoder", "param2moe", "sarvam_mla", "sarvam_moe"):
+        if model_type in CONFIG_MAPPING:
+            assert rope.rotary_classes(model_type), model_type
+    from transformers import LlamaForCausalLM  # the code the type runs is there; only its name differs
+
+    real_import = importlib.import_module
+
+    def without_modeling_llama(name, *args):
+        if name == "transformers.models.llama.modeling_llama":  # the name modeling_module looks up
+            raise ImportError(name)
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_modeling_llama)
+    found = modeling.modeling_module.__wrapped__("llama")  # past functools.cache
+    assert found is sys.modules[LlamaForCausalLM.__module__]

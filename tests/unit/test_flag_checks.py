@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import train
-from easy_context.programs.training import flags
+from easy_context.programs.training import flag_declaration, flags
 
 FACTORIES = ("at_least", "optional_at_least", "needs")
 
@@ -33,7 +33,7 @@ CHECKED = _checked_flags()
 # ------------------------------------------------------------------------------- the factories
 @pytest.mark.parametrize("bound", [0, 1, 7])
 def test_at_least_accepts_the_bound_and_refuses_one_below_naming_flag_and_value(bound):
-    check = flags.at_least(bound)
+    check = flag_declaration.at_least(bound)
     for value in (bound, bound + 1, bound + 1000):
         assert check("--some-flag", value, argparse.Namespace()) is None, (bound, value)
     for value in (bound - 1, bound - 5):
@@ -41,7 +41,7 @@ def test_at_least_accepts_the_bound_and_refuses_one_below_naming_flag_and_value(
 
 
 def test_optional_at_least_accepts_none_and_checks_any_value():
-    check = flags.optional_at_least(3)
+    check = flag_declaration.optional_at_least(3)
     assert check("--some-flag", None, argparse.Namespace()) is None
     assert check("--some-flag", 3, argparse.Namespace()) is None
     assert check("--some-flag", 2, argparse.Namespace()) == "--some-flag must be >= 3, got 2"
@@ -49,7 +49,7 @@ def test_optional_at_least_accepts_none_and_checks_any_value():
 
 
 def test_needs_refuses_the_flag_without_the_other_and_accepts_it_with():
-    plain, why = flags.needs("--other-flag"), flags.needs("--other-flag", " (it says why)")
+    plain, why = flag_declaration.needs("--other-flag"), flag_declaration.needs("--other-flag", " (it says why)")
     for unset in (False, None):  # a switch left off; a valued flag left at its default
         without = argparse.Namespace(other_flag=unset)
         for value in (True, "cut"):  # a switch given; a flag with a value (--balance-documents' const)

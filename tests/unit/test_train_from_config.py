@@ -9,19 +9,19 @@ import types
 import pytest
 import torch
 
-from easy_context.programs.training import flags
+from easy_context.programs.training import flags, sources
 from easy_context.programs.training.model import build_optimizer, load_model
 
 
 def test_the_8b_preset_is_llama_3_1_8b_and_builds_on_the_meta_device():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(flags.config_path("llama-3.1-8b")))
+    config = AutoConfig.from_pretrained(str(sources.config_path("llama-3.1-8b")))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama-3.1-8B's count
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert {"llama-3.1-8b", "qwen3-8b", "mistral-7b", "tiny-llama"} <= set(flags.presets())
+    assert {"llama-3.1-8b", "qwen3-8b", "mistral-7b", "tiny-llama"} <= set(sources.presets())
 
 
 def test_a_tiny_config_in_bf16_with_sgd_builds_where_it_runs():
@@ -37,8 +37,8 @@ def test_a_tiny_config_in_bf16_with_sgd_builds_where_it_runs():
 
 def test_from_config_weights_are_from_scratch_weights():
     scratch = flags.parse_args(["--from-scratch"])
-    named = flags.parse_args(["--from-config", str(flags.SCRATCH_CONFIG / "config.json")])
-    assert scratch.from_config == str(flags.SCRATCH_CONFIG)
+    named = flags.parse_args(["--from-config", str(sources.SCRATCH_CONFIG / "config.json")])
+    assert scratch.from_config == str(sources.SCRATCH_CONFIG)
     a, _ = load_model(scratch, torch.float32, torch.device("cpu"))
     b, _ = load_model(named, torch.float32, torch.device("cpu"))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -57,7 +57,7 @@ def test_trl_trainers_not_proven_are_refused_and_the_proven_ones_accepted():
     trl = pytest.importorskip("trl", reason="TRL is not installed (the floor versions' stage)")
     from transformers import Trainer
 
-    from easy_context.hf.trainer import check_trainer_class
+    from easy_context.hf.trainer_admission import check_trainer_class
 
     for name in ("GRPOTrainer", "RLOOTrainer", "KTOTrainer", "RewardTrainer"):
         with pytest.raises(ValueError, match=f"prepare_trainer: {name} .*overrides .*compute_loss"):

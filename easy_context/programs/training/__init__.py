@@ -2,6 +2,8 @@
 save), and these modules hold its steps.
 
 flags.py    the flags, declared once by group, each with its check (grouped --help)
+flag_declaration.py  what a flag is (settings and check, in groups) and the checks any flag may use
+sources.py  where the shipped demo base and the model shapes of configs/ are
 run.py      the run's setup (seed, layout, refusals), resume, and stopping on a non-finite loss
 model.py    the model (loaded, LoRA, patched, FSDP2, compiled) and its optimizer and schedule
 batches.py  the data: rows, each micro-batch's rows (a pure function of its index), this rank's shard

@@ -10,18 +10,13 @@ flag with an optional value (`--balance-documents [cut|workload]`) has no datacl
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from easy_context.mixers import STRATEGIES as MIXER_STRATEGIES
 from easy_context.programs import fsdp
 from easy_context.programs.launch import add_dist_timeout_flag, add_parallel_mode_flags, ring_degree_error
+from easy_context.programs.training.flag_declaration import Group, at_least, flag, needs, optional_at_least
+from easy_context.programs.training.sources import DEMO_BASE, SCRATCH_CONFIG, config_path, presets
 
-ROOT = Path(__file__).resolve().parents[3]
-DEMO_BASE = ROOT / "models" / "demo-base"  # scripts/pretrain_demo_base.py's model, shipped
-CONFIGS = ROOT / "configs"  # --from-config NAME: configs/NAME/config.json (model shapes, no weights)
-SCRATCH_CONFIG = CONFIGS / "tiny-llama"  # --from-scratch: --from-config tiny-llama
 DEFAULT_RETRIEVAL_FRACTION = 0.5  # the byte-level corpus: half the rows teach retrieval (the demo's numbers)
 # Flags that default differently per job: the default job extends the shipped base from 512 to
 # 2,048 tokens. Its RoPE base: in single-process probes at 2,048 tokens (the same data and
@@ -32,51 +27,6 @@ JOB_DEFAULTS = {
     "other": {"learning_rate": 1e-3, "max_train_steps": 60},  # --from-scratch, and any --model
 }
 
-Check = Callable[[str, object, argparse.Namespace], "str | None"]  # (flag, its value, all flags) -> refusal
-
-
-def dest_of(name: str) -> str:
-    """argparse's attribute for a flag: --seq-length -> seq_length."""
-    return name.removeprefix("--").replace("-", "_")
-
-
-@dataclass(frozen=True)
-class Flag:
-    name: str
-    options: dict  # argparse's add_argument keywords
-    check: Check | None = None
-
-    @property
-    def dest(self) -> str:
-        return dest_of(self.name)
-
-
-def flag(name: str, check: Check | None = None, **options) -> Flag:
-    return Flag(name, options, check)
-
-
-def at_least(bound: int) -> Check:
-    return lambda name, value, args: f"{name} must be >= {bound}, got {value}" if value < bound else None
-
-
-def optional_at_least(bound: int) -> Check:
-    return lambda name, value, args: None if value is None else at_least(bound)(name, value, args)
-
-
-def needs(other: str, why: str = "") -> Check:
-    """A flag that means something only with `other` (a switch)."""
-    dest = dest_of(other)
-    return lambda name, value, args: f"{name} needs {other}{why}" if value and not getattr(args, dest) else None
-
-
-@dataclass(frozen=True)
-class Group:
-    title: str
-    flags: list[Flag]
-    # flags declared once for several scripts (easy_context/programs/launch.py), with their checks
-    shared: list[Callable] = field(default_factory=list)
-    shared_checks: list[Callable[[argparse.Namespace], str | None]] = field(default_factory=list)
-
 
 # ---------------------------------------------------------------------------------- checks
 def _from_scratch(name, value, args):
@@ -85,21 +35,6 @@ def _from_scratch(name, value, args):
             f"--from-scratch trains configs/tiny-llama from random weights; drop --model {args.model} or --from-scratch"
         )
     return None
-
-
-def config_path(name_or_path: str) -> Path | None:
-    """--from-config's value as a config.json: a file, a folder holding one, or a shipped
-    preset's name (configs/NAME/config.json); None where there is none."""
-    for candidate in (Path(name_or_path), CONFIGS / name_or_path):
-        if candidate.is_file():
-            return candidate
-        if (candidate / "config.json").is_file():
-            return candidate / "config.json"
-    return None
-
-
-def presets() -> list[str]:
-    return sorted(path.parent.name for path in CONFIGS.glob("*/config.json"))
 
 
 def _from_config(name, value, args):

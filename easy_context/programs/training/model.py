@@ -15,8 +15,8 @@ from easy_context.programs.lora import adapter_base, add_lora
 from easy_context.programs.loss import CausalLMLoss
 from easy_context.programs.models import check_config, load_config, load_pretrained
 from easy_context.programs.tiled_mlp import tile_mlps
-from easy_context.programs.training.flags import config_path
 from easy_context.programs.training.run import Run, fail
+from easy_context.programs.training.sources import config_path
 from easy_context.versions import enable_activation_checkpointing
 
 
@@ -79,7 +79,8 @@ def load_model(args, dtype, device):
     try:
         if args.from_config:  # random weights, byte tokenizer
             config = load_config(str(config_path(args.from_config)), args.rope_theta)
-            if config.vocab_size < len(byte_tokenizer()):
+            tokenizer = byte_tokenizer()
+            if config.vocab_size < len(tokenizer):
                 fail(f"--from-config {args.from_config}: vocab_size {config.vocab_size} is below the byte tokenizer's")
             torch.manual_seed(args.seed)
             # Initialised where it runs, in its dtype: an 8B shape never exists in fp32 on the host.
@@ -87,7 +88,6 @@ def load_model(args, dtype, device):
                 model = AutoModelForCausalLM.from_config(
                     config, attn_implementation=attn_implementation(config), dtype=dtype
                 )
-            tokenizer = byte_tokenizer()
         elif adapter_base(args.model) is not None:
             fail(
                 f"--model {args.model} holds a LoRA adapter, not a model: pass its base "
