@@ -1,6 +1,6 @@
 """lm-evaluation-harness with a sequence-parallel model: lm-eval's own command line, with the
-model `easy_context` registered (programs/harness.py) and the offline RULER-style tasks
-(`ec_ruler`, `ec_ruler_<task>`: programs/ruler.py) on its task path.
+model `easy_context` registered (recipes/harness.py) and the offline RULER-style tasks
+(`ec_ruler`, `ec_ruler_<task>`: recipes/ruler.py) on its task path.
 
     # CPU, 2 processes, one SP group: the offline suite on the model train.py saves
     torchrun --standalone --nproc_per_node 2 eval_harness.py --model easy_context \
@@ -29,8 +29,8 @@ def main(argv: list[str]) -> None:
         sys.exit('eval_harness.py: lm-eval is not installed; pip install -e ".[eval-harness]"')
     from lm_eval.__main__ import cli_evaluate
 
-    from easy_context.programs import harness
-    from easy_context.programs.ruler_tasks import TASKS_DIR
+    from recipes import harness
+    from recipes.ruler_tasks import TASKS_DIR
 
     harness.register()  # --model easy_context
 

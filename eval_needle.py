@@ -33,9 +33,9 @@ import torch
 
 import easy_context as ec
 from easy_context.modes import get_mode
-from easy_context.programs.data import embedded_prose
-from easy_context.programs.evaluation import load_scorer_for_flags, resolve_model
-from easy_context.programs.launch import (
+from recipes.data import embedded_prose
+from recipes.evaluation import load_scorer_for_flags, resolve_model
+from recipes.launch import (
     Stage,
     add_dist_timeout_flag,
     add_parallel_mode_flags,
@@ -43,9 +43,9 @@ from easy_context.programs.launch import (
     run_job,
     run_main,
 )
-from easy_context.programs.launch import fail as launch_fail
-from easy_context.programs.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
-from easy_context.programs.plots import needle_heatmap
+from recipes.launch import fail as launch_fail
+from recipes.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
+from recipes.plots import needle_heatmap
 
 
 def fail(message: str):
@@ -306,4 +306,4 @@ def print_table(title: str, accuracy: dict, lengths, depths, prompts: int) -> No
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)

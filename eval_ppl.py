@@ -34,9 +34,9 @@ import torch
 
 import easy_context as ec
 from easy_context.modes import get_mode
-from easy_context.programs.data import load_any_dataset, stdlib_heldout_documents
-from easy_context.programs.evaluation import load_scorer_for_flags, resolve_model
-from easy_context.programs.launch import (
+from recipes.data import load_any_dataset, stdlib_heldout_documents
+from recipes.evaluation import load_scorer_for_flags, resolve_model
+from recipes.launch import (
     Stage,
     add_dist_timeout_flag,
     add_parallel_mode_flags,
@@ -44,8 +44,8 @@ from easy_context.programs.launch import (
     run_job,
     run_main,
 )
-from easy_context.programs.launch import fail as launch_fail
-from easy_context.programs.plots import perplexity_curves
+from recipes.launch import fail as launch_fail
+from recipes.plots import perplexity_curves
 
 
 def fail(message: str):
@@ -308,4 +308,4 @@ def write_outputs(args, lengths, table) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)

@@ -1,4 +1,4 @@
-"""The offline RULER-style suite (easy_context/programs/ruler.py): every task at every length,
+"""The offline RULER-style suite (recipes/ruler.py): every task at every length,
 answered by greedy generation with the prompt's KV cache sharded over the SP group.
 
     # CPU, 2 processes: the model train.py saves, at the lengths of the default run
@@ -28,9 +28,9 @@ import numpy as np
 
 import easy_context as ec
 from easy_context.modes import get_mode
-from easy_context.programs import ruler
-from easy_context.programs.evaluation import load_scorer_for_flags, resolve_model
-from easy_context.programs.launch import (
+from recipes import ruler
+from recipes.evaluation import load_scorer_for_flags, resolve_model
+from recipes.launch import (
     Stage,
     add_dist_timeout_flag,
     add_parallel_mode_flags,
@@ -38,8 +38,8 @@ from easy_context.programs.launch import (
     run_job,
     run_main,
 )
-from easy_context.programs.launch import fail as launch_fail
-from easy_context.programs.plots import task_heatmap
+from recipes.launch import fail as launch_fail
+from recipes.plots import task_heatmap
 
 
 def fail(message: str):

@@ -22,7 +22,7 @@
 
 Read top to bottom: arguments -> accelerator -> model -> data -> optimizer/schedule ->
 resume -> loop (shard, chunked loss, backward, step, log, checkpoint) -> save_pretrained.
-The steps it calls live in easy_context/programs/training/, its flags (by group, each with its
+The steps it calls live in recipes/training/, its flags (by group, each with its
 check) in training/flags.py.
 """
 
@@ -33,16 +33,16 @@ import os
 import time
 
 import easy_context as ec
-from easy_context.programs import fsdp
-from easy_context.programs.checkpointing import Checkpoints
-from easy_context.programs.launch import Stage, injected_fault, run_job, run_main
-from easy_context.programs.loss import global_token_mean
-from easy_context.programs.training import flags
-from easy_context.programs.training.batches import ShardedBatches, build_data
-from easy_context.programs.training.model import build_model, build_optimizer, load_model  # noqa: F401
-from easy_context.programs.training.report import TrainingLog, save_model, write_summary
-from easy_context.programs.training.run import Run, resume_run, set_up_run, stop_on_nonfinite_loss
-from easy_context.programs.training.sources import DEMO_BASE  # noqa: F401 (the default model, for tests and tools)
+from easy_context.hf.loss import global_token_mean
+from recipes import fsdp
+from recipes.checkpointing import Checkpoints
+from recipes.launch import Stage, injected_fault, run_job, run_main
+from recipes.training import flags
+from recipes.training.batches import ShardedBatches, build_data
+from recipes.training.model import build_model, build_optimizer, load_model  # noqa: F401
+from recipes.training.report import TrainingLog, save_model, write_summary
+from recipes.training.run import Run, resume_run, set_up_run, stop_on_nonfinite_loss
+from recipes.training.sources import DEMO_BASE  # noqa: F401 (the default model, for tests and tools)
 
 
 def parse_args(argv=None):
@@ -173,4 +173,4 @@ def forward_backward(run: Run, trainable, inputs, step: int, micro: int):
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)

@@ -1,5 +1,5 @@
 """lm-eval requests at long context: lm-eval's own `hf` model in one process against the
-`easy_context` model (programs/harness.py) on P ranks.
+`easy_context` model (recipes/harness.py) on P ranks.
 
     python -m benchmarks.bench_eval --seq-lengths 8192,32768 --world-sizes 1,2,4 [--csv out.csv]
 
@@ -42,7 +42,7 @@ CONTINUATION = 32
 
 def _save_model(folder: str) -> None:
     from benchmarks.bench_train import tiny_llama
-    from easy_context.programs.data import byte_tokenizer
+    from recipes.data import byte_tokenizer
 
     tiny_llama(32000, checkpointing=False, tile=0).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
@@ -68,7 +68,7 @@ def _worker(rank, world, spec, workdir):
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]),
         )  # fmt: skip
-        from easy_context.programs.harness import SeqParallelLM
+        from recipes.harness import SeqParallelLM
 
         lm = SeqParallelLM(pretrained=spec["model"], mode="zigzag_ring_attn", max_length=spec["length"] + 1)
     request = _request(spec["length"])

@@ -9,7 +9,7 @@ would need, each beside the planner's prediction.
 
 Each step is train.py's step on one device: the model built from the config on the device in
 --param-dtype with random weights, every decoder layer checkpointed (its input offloaded to
-pinned host memory on a GPU), MLPs in tiles, the loss in chunks (programs/loss.py), SGD (no
+pinned host memory on a GPU), MLPs in tiles, the loss in chunks (easy_context/hf/loss.py), SGD (no
 optimizer state). One sequence per step, no sequence parallelism (one device).
 
 Sections, in this order, each inside what is left of --budget-s:
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from easy_context.programs.plan import catalogue, memory, speed
-from easy_context.programs.training.sources import config_path
+from recipes.plan import catalogue, memory, speed
+from recipes.training.sources import config_path
 
 GIB = 1 << 30
 
@@ -129,9 +129,9 @@ def build_model(setup: Setup, layers: int | None = None):
     from transformers import AutoModelForCausalLM
 
     from easy_context.hf.architectures import attn_implementation
-    from easy_context.programs.loss import CausalLMLoss
-    from easy_context.programs.tiled_mlp import tile_mlps
+    from easy_context.hf.loss import CausalLMLoss
     from easy_context.versions import enable_activation_checkpointing
+    from recipes.tiled_mlp import tile_mlps
 
     config = setup.config.__class__.from_dict(setup.config.to_dict())
     if layers is not None:

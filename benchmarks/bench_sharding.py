@@ -68,7 +68,7 @@ def write_model(folder: Path, sizes: Sizes) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from easy_context.programs.data import BYTE_EOS_ID, byte_tokenizer
+    from recipes.data import BYTE_EOS_ID, byte_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -189,7 +189,7 @@ def ring_degree(mode: str) -> int:
 
 def prediction(shape, name: str, seq: int, mode: str, tile: int) -> tuple[float, str]:
     """(the planner's per-rank peak MiB for this row, its phase)."""
-    from easy_context.programs.plan import MIB, Options, estimate, get_device
+    from recipes.plan import MIB, Options, estimate, get_device
 
     options = Options(mode, WORLD, ring_degree(mode), True, False, tile, tile, CONFIGS[name].setting)
     result = estimate(shape, seq, WORLD, options, get_device("cpu"), "fp32")
@@ -199,7 +199,7 @@ def prediction(shape, name: str, seq: int, mode: str, tile: int) -> tuple[float,
 def model_shape(folder: Path):
     from transformers import AutoConfig
 
-    from easy_context.programs.plan import shape_from_config
+    from recipes.plan import shape_from_config
 
     return shape_from_config(AutoConfig.from_pretrained(folder), "bench_sharding")
 
@@ -230,7 +230,7 @@ def parse_args(argv=None):
     sequence_parallel = [m for m in MODE_NAMES if get_mode(m).sequence_parallel]
     if args.mode not in sequence_parallel:
         p.error(f"--mode {args.mode!r}: choose a sequence-parallel mode, one of {sequence_parallel}")
-    from easy_context.programs.plan import layout_multiple
+    from recipes.plan import layout_multiple
 
     multiple = layout_multiple(args.mode, WORLD, ring_degree(args.mode))
     if any(seq % multiple for seq in args.seqs):

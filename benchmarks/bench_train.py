@@ -47,8 +47,8 @@ def tiny_llama(vocab: int, checkpointing: bool, tile: int):
     """The benchmarks' tiny Llama (4 layers, hidden 256, 4 query / 2 KV heads), seed 0."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from easy_context.programs.tiled_mlp import tile_mlps
     from easy_context.versions import enable_activation_checkpointing
+    from recipes.tiled_mlp import tile_mlps
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -73,14 +73,14 @@ def _worker(rank, world, spec, workdir):
     if world > 1:
         init_gloo(rank, world, workdir)
     import easy_context as ec
-    from easy_context.programs.loss import chunked_cross_entropy_sum, global_token_mean
+    from easy_context.hf.loss import chunked_cross_entropy_sum, global_token_mean
 
     seq, mode, memory, vocab = spec["seq"], spec["mode"], spec["memory"], spec["vocab"]
     model = tiny_llama(vocab, checkpointing=memory, tile=1024 if memory else 0)
     optimizer = None
     if spec.get("optimizer"):
         if spec.get("lora"):
-            from easy_context.programs.lora import add_lora
+            from recipes.lora import add_lora
 
             model = add_lora(model, spec["lora"])
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)

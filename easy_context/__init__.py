@@ -12,6 +12,9 @@ Public API (everything a training or evaluation script needs):
     teardown()                               transformers' own attention again
     check_masks(model_or_config)             the model's own masks against the patch's, per layer kind
                                              (setup runs it; raises MaskDisagreement)
+    global_token_mean(loss_sum, targets)     a shard's loss sum as its share of the sequence's token mean
+    chunked_cross_entropy_sum(hidden, head, targets)   the loss without full-vocabulary logits
+    CausalLMLoss(model, loss_chunk_size)     a causal LM returning that chunked loss sum
     options: sp_size (ranks sharing one sequence; world = dp x sp), ring_degree (usp_attn),
              document_split (a layout per packed row: equal work per rank)
 
@@ -33,13 +36,13 @@ Package map (rooms; docs/architecture.md draws them):
     modes/      one file per mode over the engine; the registry (SeqParallelMode, get_mode) in
                 __init__, the pieces of their cost declarations in costs.py
     hf/         the transformers integration: context (SequenceParallel), api, patch, admission, mask_check,
-                architectures, replicas, generation, sharded_cache, trainer, preference
-    programs/   what train.py, the eval scripts and the planner need: training/ (train.py's steps and
-                flags), launch, data/, models, loss,
-                checkpointing, tiled_mlp, needle, ruler (+ ruler_tasks/), evaluation, harness
-                (lm-eval's model; imports lm-eval), plots, plan/
+                architectures, replicas, generation, sharded_cache, trainer, preference, loss
     versions.py supported versions (pyproject's ranges) and the transformers APIs that changed
-    old_paths.py  release 0.1's import paths (easy_context.hf, easy_context.zigzag_ring_attn, ...)
+    old_paths.py  old import paths (easy_context.zigzag_ring_attn, easy_context.programs, ...), until a date
+
+What train.py, the eval scripts and the planner need beyond this (flags, data pipelines,
+checkpoints, evaluation tasks, the planner) is the `recipes` package beside this one: it uses
+the library as any user does, and the library never imports it.
 """
 
 from easy_context import old_paths
@@ -59,6 +62,7 @@ from easy_context.hf.api import (  # noqa: E402
 )
 from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES  # noqa: E402
 from easy_context.hf.context import SequenceParallel, setup, teardown  # noqa: E402
+from easy_context.hf.loss import CausalLMLoss, chunked_cross_entropy_sum, global_token_mean  # noqa: E402
 from easy_context.hf.mask_check import MaskDisagreement, check_masks  # noqa: E402
 from easy_context.modes import BUILT_MODES, MODE_NAMES  # noqa: E402
 
@@ -77,6 +81,9 @@ __all__ = [
     "generate",
     "check_masks",
     "MaskDisagreement",
+    "global_token_mean",
+    "chunked_cross_entropy_sum",
+    "CausalLMLoss",
     "SUPPORTED_MODEL_TYPES",
     "MODE_NAMES",
     "BUILT_MODES",

@@ -24,8 +24,8 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import easy_context as ec
-from easy_context.programs.data import byte_tokenizer, stdlib_source_files
-from easy_context.programs.launch import run_main, shutdown
+from recipes.data import byte_tokenizer, stdlib_source_files
+from recipes.launch import run_main, shutdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,4 +97,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)

@@ -27,8 +27,8 @@ from transformers import (
 )
 
 import easy_context as ec
-from easy_context.programs.data import byte_tokenizer, stdlib_source_files
-from easy_context.programs.launch import run_main, shutdown
+from recipes.data import byte_tokenizer, stdlib_source_files
+from recipes.launch import run_main, shutdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,4 +102,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.programs.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)

@@ -18,8 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from easy_context import MODE_NAMES, apply_seq_parallel_monkey_patch, prepare_seq_parallel_inputs
-from easy_context.programs.loss import global_token_mean
+from easy_context import MODE_NAMES, apply_seq_parallel_monkey_patch, global_token_mean, prepare_seq_parallel_inputs
 
 DEMO_BASE = Path(__file__).resolve().parents[1] / "models" / "demo-base"
 

@@ -69,7 +69,7 @@
 #   compile    60         65     new: never finished (killed after about 60 s at S = 8192); S = 1024, one process now
 #   masks      35         38     changed: flex compiled once per structure, the fp32 band path
 #   bench      46         40     changed: flex's block mask in its compiled call; 3 iterations (46: 5)
-#   train      45         40     changed: train.py split into programs/training; one rank runs without torchrun
+#   train      45         40     changed: train.py split into recipes/training; one rank runs without torchrun
 #   modes_p1   24         15     unchanged: trimmed to bf16 (24: fp32, bf16, autocast)
 #   multirank  41         20     unchanged: trimmed to fp32, no gloo exactness run (41: fp32, bf16, 2 gloo ranks)
 #   peers      0          3      unchanged

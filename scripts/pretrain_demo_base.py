@@ -3,7 +3,7 @@
     python scripts/pretrain_demo_base.py --out outputs/demo-base            # 6500 steps, ~50 min on one core
     python scripts/pretrain_demo_base.py --out outputs/demo-base --resume   # continue an interrupted run
 
-The recipe (issue 31's probes; data in easy_context/programs/demo_data.py): a byte-level BPE
+The recipe (issue 31's probes; data in recipes/demo_data.py): a byte-level BPE
 tokenizer with every 1-3 digit group one token; a 2-layer x 128 Llama (0.6M parameters); a
 curriculum that trains copying alone at 64 tokens first (induction heads form there within a
 few hundred steps; at 256 they had not after 1,150), then 70% needle rows at 128, 256 and 512
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from easy_context.programs.demo_data import (
+from recipes.demo_data import (
     MIN_PROMPT,
     NeedleRows,
     answer_accuracy,
@@ -44,7 +44,7 @@ from easy_context.programs.demo_data import (
     demo_tokenizer,
     tokenizer_from_json,
 )
-from easy_context.programs.launch import fail, run_main
+from recipes.launch import fail, run_main
 
 SCRIPT = "pretrain_demo_base.py"
 # (from step, sequence length, share of copy rows, batch size): each stage runs after its step

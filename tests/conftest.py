@@ -190,6 +190,7 @@ def _source_files() -> dict:
     files = [
         *_ROOT.glob("*.py"),
         *(_ROOT / "easy_context").rglob("*.py"),
+        *(_ROOT / "recipes").rglob("*.py"),
         *(_ROOT / "tests").rglob("*.py"),
         *(_ROOT / "benchmarks").glob("*.py"),
         *(_ROOT / "tools").glob("*.py"),

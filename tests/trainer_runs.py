@@ -57,7 +57,7 @@ def tiny_of(model_type: str, seed: int = 0, **overrides):
 
 
 def tokenizer(padding_side: str = "right"):
-    from easy_context.programs.data import byte_tokenizer
+    from recipes.data import byte_tokenizer
 
     result = byte_tokenizer()
     result.pad_token, result.padding_side = result.eos_token, padding_side
@@ -142,7 +142,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
     )
     model = tiny_llama() if spec.get("model_type") is None else tiny_of(spec["model_type"], **spec.get("config", {}))
     if spec.get("lora"):  # rank-r adapters on the attention projections; the base frozen
-        from easy_context.programs.lora import add_lora
+        from recipes.lora import add_lora
 
         model = add_lora(model, spec["lora"])
     if spec.get("sft"):

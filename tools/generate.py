@@ -25,10 +25,10 @@ import torch
 
 import easy_context as ec
 from easy_context.hf.sharded_cache import kv_bytes
-from easy_context.programs.evaluation import load_scorer_for_flags, resolve_model
-from easy_context.programs.launch import Stage, add_dist_timeout_flag, run_job, run_main
-from easy_context.programs.launch import fail as launch_fail
 from easy_context.versions import output_cache
+from recipes.evaluation import load_scorer_for_flags, resolve_model
+from recipes.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from recipes.launch import fail as launch_fail
 
 
 def fail(message: str):

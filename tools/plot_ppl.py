@@ -12,7 +12,7 @@ import argparse
 import math
 from pathlib import Path
 
-from easy_context.programs.plots import perplexity_curves, read_perplexity_csv
+from recipes.plots import perplexity_curves, read_perplexity_csv
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""Check the planner (easy_context/programs/plan.py) against measurements and published results.
+"""Check the planner (recipes/plan.py) against measurements and published results.
 
     python -m tools.validate_plan                 # tables 1-3 (seconds)
     python -m tools.validate_plan --calibrate     # + table 0: saved-tensor bytes per layer (about 10 s of CPU)
@@ -20,7 +20,7 @@ import argparse
 import csv
 import os
 
-from easy_context.programs.plan import GIB, MIB, PRESETS, Options, activation_terms, estimate, get_device, throughput
+from recipes.plan import GIB, MIB, PRESETS, Options, activation_terms, estimate, get_device, throughput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -37,18 +37,18 @@ VARIABLES = {
         "1",
     ),
     "EASY_CONTEXT_PLAN_ONLINE": (
-        "programs/plan/catalogue.py",
+        "recipes/plan/catalogue.py",
         "1: the planner may look a model's config up on the hub (else the local cache only)",
         "unset: offline",
     ),
     "EASY_CONTEXT_FAULT": (
-        "programs/launch.py (injected_fault)",
+        "recipes/launch.py (injected_fault)",
         'test hook: "point@step:rank[:value]" fires a failure at that point of train.py (hang, die_in_save, '
         "pause_in_save, disk_full_in_save, nonfinite_loss)",
         "unset: none",
     ),
     "EASY_CONTEXT_FAULT_ATTEMPT": (
-        "programs/launch.py (injected_fault)",
+        "recipes/launch.py (injected_fault)",
         "test hook: fire EASY_CONTEXT_FAULT only in torchrun's attempt N (0: the first)",
         "unset: every attempt",
     ),
@@ -58,7 +58,7 @@ VARIABLES = {
         "unset: none",
     ),
     "EASY_CONTEXT_REQUIRE_DEEPSPEED": (
-        "tests/ranks.py, tests/programs/test_scripts_smoke.py",
+        "tests/ranks.py, tests/recipes/test_scripts_smoke.py",
         "test hook: 1 makes the tests that need DeepSpeed fail where it is missing, not skip (CI sets it)",
         "unset: skipped without DeepSpeed",
     ),

@@ -20,6 +20,7 @@ what runs on it (generation, the Trainer adapter, the replica guard).
     trainer.py        prepare_trainer in a context: HF Trainer / TRL SFTTrainer / DPOTrainer in one line
     trainer_admission.py  the trainer classes and arguments prepare_trainer accepts, checked
     preference.py     TRL's DPOTrainer: its fused log-prob forwards sharded, per-token outputs summed over the group
+    loss.py           the causal-LM loss of a shard: chunked cross entropy, its share of the global token mean
     accelerate_parallelism.py  refuses accelerate's own context / sequence parallelism next to ours
 """
 

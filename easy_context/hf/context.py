@@ -223,7 +223,7 @@ class SequenceParallel:
             dataloader, topology.dp_rank(getattr(accelerator, "process_index", 0)), topology.dp_size
         )
 
-    # ------------------------------------------------------------ programs on it
+    # ------------------------------------------------------------ what runs on it
     def trainer(self, trainer, balance_work=False):
         """The HF Trainer (or TRL SFTTrainer) trains in this context; returns the same trainer.
         balance_work: True, or one number per train row: the data-parallel groups of a step get

@@ -3,7 +3,7 @@
 SUPPORTED: each type, with what it adds to Llama's attention, proven exact by
 `python -m tools.sweep_models` (its tiny model patched on 2 gloo ranks in each mode family,
 against the unpatched model in one process: logits, loss, every gradient); CI runs the sweep
-(tests/programs/test_model_sweep.py) and fails when a type changes class.
+(tests/recipes/test_model_sweep.py) and fails when a type changes class.
 REFUSED: why each other type cannot run sequence parallel; every reason starts with one of the
 categories below. A type in neither (a newer transformers' type) is refused as untested.
 

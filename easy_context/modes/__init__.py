@@ -3,7 +3,7 @@
 A mode says how its SP group is split between a ring and Ulysses (`ring_degree`), whether
 the ring part uses the zigzag layout, and which attention function runs over the groups.
 Kernels, ring core, process groups, HF integration and the API are shared. A mode also
-declares what it supports and what it costs (modes/costs.py), so that programs ask the mode
+declares what it supports and what it costs (modes/costs.py), so that the recipes ask the mode
 instead of comparing its name.
 
 One file per mode: zigzag_ring_attn.py, dist_flash_attn.py (the LightSeq schedule),

@@ -3,7 +3,7 @@
 Each mode declares its costs in its own file (`SeqParallelMode.traffic` and `.activations`)
 from the pieces here, which follow the code that runs: core/ring.py's ring (K/V rotate, dK/dV
 go straight back to their owner), the Ulysses all-to-alls, and dist_flash_attn's balanced
-schedule. Pure arithmetic: the planner (programs/plan) and the attention benchmark ask the
+schedule. Pure arithmetic: the planner (recipes/plan) and the attention benchmark ask the
 modes for the same numbers.
 """
 

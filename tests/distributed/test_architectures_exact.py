@@ -1,7 +1,7 @@
 """The architectures whose features the tests switch on one by one (tests/tiny_models.py), at 4
 gloo ranks under usp_attn and in bf16, against the unpatched model on the full sequence: logits,
 loss and every parameter gradient. Every supported type in fp32 at 2 ranks in each mode family
-is tools/sweep_models.py's (tests/programs/test_model_sweep.py)."""
+is tools/sweep_models.py's (tests/recipes/test_model_sweep.py)."""
 
 import pytest
 import torch

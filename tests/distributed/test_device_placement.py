@@ -35,7 +35,7 @@ from easy_context import (
     prepare_seq_parallel_inputs,
     remove_seq_parallel_monkey_patch,
 )
-from easy_context.programs.loss import global_token_mean
+from easy_context.hf.loss import global_token_mean
 from easy_context.versions import enable_activation_checkpointing
 
 SEQ = 128

@@ -2,7 +2,7 @@
 --resume-from-checkpoint auto (the same command for every attempt), while tests/chaos.py kills
 ranks from outside: SIGKILL at random steps, one of them inside a checkpoint save, and a rank
 stopped with SIGSTOP. Each job finishes with the weights of an uninterrupted run, bit for bit,
-under DDP and FSDP2. (DeepSpeed ZeRO-3's resume is tested in tests/programs/test_deepspeed.py;
+under DDP and FSDP2. (DeepSpeed ZeRO-3's resume is tested in tests/recipes/test_deepspeed.py;
 its chaos run is not in CI: CI time.) The kill steps and ranks are drawn at random; the seed is
 printed, and CHAOS_SEED=n replays a run."""
 

@@ -1,6 +1,6 @@
 """FSDP2 (`fully_shard`, train.py's --fsdp) under every mode: the gradients gathered from the
 shards are the one-process gradients of the whole batch's token-mean loss. Adam hides a gradient
-scale that is the same at every step, so the training runs (tests/programs/test_fsdp.py) cannot
+scale that is the same at every step, so the training runs (tests/recipes/test_fsdp.py) cannot
 show a mis-scaled reduction; this compares the gradients themselves."""
 
 import pytest
@@ -9,9 +9,9 @@ from ranks import run_ranks
 from tiny_models import tiny_batch, tiny_model
 
 import easy_context as ec
+from easy_context.hf.loss import CausalLMLoss, global_token_mean
 from easy_context.modes import get_mode
-from easy_context.programs.fsdp import shard_model
-from easy_context.programs.loss import CausalLMLoss, global_token_mean
+from recipes.fsdp import shard_model
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 

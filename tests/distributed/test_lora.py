@@ -71,7 +71,7 @@ def test_lora_trainer_matches_single_process_in_every_mode():
 def _peft_model(targets, seed=0):
     """A tiny Llama with rank-4 adapters whose B is random (peft starts it at zero, which would
     make the adapted model the base model)."""
-    from easy_context.programs.lora import add_lora
+    from recipes.lora import add_lora
 
     model = add_lora(tiny_model("llama", seed=seed), RANK, targets=targets)
     torch.manual_seed(seed + 1)

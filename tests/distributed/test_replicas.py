@@ -36,7 +36,7 @@ def _train_steps(rank, world, setup: str, steps: int = 3):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    from easy_context.programs.launch import make_accelerator
+    from recipes.launch import make_accelerator
 
     if setup == "gloo-group-only":
         accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import bench_long_context as bench
-from easy_context.programs.plan import catalogue, speed
+from recipes.plan import catalogue, speed
 
 
 @pytest.fixture

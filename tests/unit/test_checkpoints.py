@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from easy_context.programs import manifest
-from easy_context.programs.checkpointing import (
+from recipes import manifest
+from recipes.checkpointing import (
     CheckpointError,
     checkpoint_dirs,
     checkpoints_to_prune,

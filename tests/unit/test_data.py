@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from easy_context.programs.data import (
+from recipes.data import (
     BYTE_EOS_ID,
     PackedRows,
     StreamedRows,
@@ -26,7 +26,7 @@ from easy_context.programs.data import (
     windows,
     with_retrieval_rows,
 )
-from easy_context.programs.needle import NEEDLE
+from recipes.needle import NEEDLE
 
 DOCUMENTS = [
     "def f(x):\n    return x + 1\n",

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from easy_context.core.work_order import balanced_epoch_order
-from easy_context.programs.data import PackedRows, document_positions, packed_row_products
+from recipes.data import PackedRows, document_positions, packed_row_products
 
 DP, BATCH = 2, 1
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from easy_context.programs.demo_data import NeedleAnswerRows, NeedleRows
-from easy_context.programs.evaluation import SeqParallelScorer
-from easy_context.programs.models import load_pretrained
+from recipes.demo_data import NeedleAnswerRows, NeedleRows
+from recipes.evaluation import SeqParallelScorer
+from recipes.models import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "models" / "demo-base"

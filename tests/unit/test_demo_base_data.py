@@ -1,4 +1,4 @@
-"""The demo base's data (easy_context/programs/demo_data.py): a 7-digit answer is a few tokens,
+"""The demo base's data (recipes/demo_data.py): a 7-digit answer is a few tokens,
 copy rows repeat earlier spans with the promised weights, needle rows are exactly L tokens with
 the answer weighted up, the same seed gives the same batches, and the two accuracies score an
 oracle 1 and a constant predictor 0."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from easy_context.programs.demo_data import (
+from recipes.demo_data import (
     ANSWER_WEIGHT,
     COPY_WEIGHT,
     OTHER_WEIGHT,

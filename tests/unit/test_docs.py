@@ -26,7 +26,7 @@ def test_the_readme_numbers_are_the_generated_ones():
 
 def test_the_readmes_code_is_cut_from_examples_that_tests_run():
     """Each Python block of the README names its source on its first line; every line of it is
-    a line of that file, which tests/programs/test_scripts_smoke.py runs."""
+    a line of that file, which tests/recipes/test_scripts_smoke.py runs."""
     blocks = PYTHON_BLOCK.findall(README)
     assert blocks
     for code in blocks:

@@ -1,4 +1,4 @@
-"""train.py's flag checks (programs/training/flags.py): at_least, optional_at_least and needs, each
+"""train.py's flag checks (recipes/training/flags.py): at_least, optional_at_least and needs, each
 at its edges, and every declared flag that uses one of them wired into train.py's parser. The
 wired flags are read from the declarations themselves (the factory that made each check, and its
 bound or the flag it needs), so a check declared later is covered without touching this file.
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import train
-from easy_context.programs.training import flag_declaration, flags
+from recipes.training import flag_declaration, flags
 
 FACTORIES = ("at_least", "optional_at_least", "needs")
 

@@ -12,7 +12,7 @@ from tiny_models import tiny_batch, tiny_model
 import easy_context as ec
 from easy_context.hf import replicas
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
-from easy_context.programs.lora import adapter_base, add_lora, attention_projections
+from recipes.lora import adapter_base, add_lora, attention_projections
 
 
 def test_default_targets_are_the_attention_projections_and_alpha_is_twice_r():
@@ -68,8 +68,8 @@ def test_guard_samples_the_adapters_when_the_attention_is_frozen():
 
 
 def test_an_adapter_folder_loads_as_its_base_with_the_adapter(tmp_path):
-    from easy_context.programs.data import byte_tokenizer
-    from easy_context.programs.models import load_pretrained
+    from recipes.data import byte_tokenizer
+    from recipes.models import load_pretrained
 
     base, adapter = tmp_path / "base", tmp_path / "adapter"
     tiny_model("llama").save_pretrained(base)
@@ -180,7 +180,7 @@ def test_train_py_refuses_accelerate_context_parallelism_and_an_adapter_as_the_m
 
 
 def test_the_eval_scripts_loader_refuses_accelerate_sequence_parallelism():
-    from easy_context.programs.evaluation import load_scorer
+    from recipes.evaluation import load_scorer
 
     accelerator = _accelerator(sp_size=2)
     accelerator.process_index, accelerator.num_processes = 0, 1

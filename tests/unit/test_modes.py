@@ -1,4 +1,4 @@
-"""Modes declare what they support and what they cost; the programs ask them.
+"""Modes declare what they support and what they cost; the recipes ask them.
 
 The cost declarations (easy_context/modes/costs.py and each mode's MODE) give the figures of
 the attention benchmark's analytic communication model, whose numbers docs/benchmarks.md shows
@@ -192,12 +192,8 @@ def mode_name_literals(path: Path):
     return sorted((line, name) for line, _, name in found)
 
 
-def test_programs_ask_the_mode_instead_of_comparing_names():
-    files = (
-        sorted((ROOT / "easy_context" / "programs").rglob("*.py"))
-        + sorted(ROOT.glob("train.py"))
-        + sorted(ROOT.glob("eval_*.py"))
-    )
+def test_recipes_ask_the_mode_instead_of_comparing_names():
+    files = sorted((ROOT / "recipes").rglob("*.py")) + sorted(ROOT.glob("train.py")) + sorted(ROOT.glob("eval_*.py"))
     assert len(files) > 5
     found = {str(path.relative_to(ROOT)): hits for path in files if (hits := mode_name_literals(path))}
     assert found == {}

@@ -1,7 +1,7 @@
 """Many nodes without starting any: the launcher's ranks per node, usp_attn's default split
 (Ulysses inside a node up to what the heads allow, the ring across nodes), its plumbing through
 the context, and the planner's two link speeds. (The run on two simulated nodes:
-tests/programs/test_many_nodes.py.)"""
+tests/recipes/test_many_nodes.py.)"""
 
 import dataclasses
 
@@ -11,7 +11,7 @@ from easy_context.core import collectives
 from easy_context.core.groups import NODE_SIZE_VARIABLES, Placement, ranks_per_node
 from easy_context.hf.context import SequenceParallel, model_heads, placement_of
 from easy_context.modes import BUILT_MODES, get_mode
-from easy_context.programs import plan as P
+from recipes import plan as P
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from easy_context.old_paths import MOVED, OldPaths
+from easy_context.old_paths import MOVED, REMOVAL, OldPaths
 
 # Names that were public in release 0.1, per old module: each must still be reachable there.
 OLD_NAMES = {
@@ -37,14 +37,15 @@ OLD_NAMES = {
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_an_old_path_is_the_new_module_with_a_warning(old):
-    new = importlib.import_module(f"easy_context.{MOVED[old]}")
+    new = importlib.import_module(MOVED[old])
     sys.modules.pop(f"easy_context.{old}", None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = importlib.import_module(f"easy_context.{old}")
     assert module is new
     assert module.__name__ == new.__name__ and module.__spec__.name == new.__name__
-    assert any(issubclass(w.category, DeprecationWarning) and MOVED[old] in str(w.message) for w in caught)
+    message = f"moved to {MOVED[old]}; the old path goes on {REMOVAL}"
+    assert any(issubclass(w.category, DeprecationWarning) and message in str(w.message) for w in caught)
     for name in OLD_NAMES.get(old, []):
         assert hasattr(module, name), (old, name)
 
@@ -63,6 +64,25 @@ def test_names_that_stayed_are_the_packages_themselves():
 
 def test_python_m_old_planner_path_runs_the_new_package():
     # runpy runs a package's __main__: the alias must say "package" and the new one must have it
-    spec = OldPaths().find_spec("easy_context.plan")
-    assert spec is not None and spec.submodule_search_locations is not None
-    assert importlib.util.find_spec("easy_context.programs.plan.__main__") is not None
+    for old in ("easy_context.plan", "easy_context.programs.plan"):
+        spec = OldPaths().find_spec(old)
+        assert spec is not None and spec.submodule_search_locations is not None
+    assert importlib.util.find_spec("recipes.plan.__main__") is not None
+
+
+@pytest.mark.parametrize("old", ["programs", "programs.launch", "programs.training.flags", "programs.plan"])
+def test_the_programs_package_is_the_recipes_package(old):
+    # easy_context.programs moved out of the library: every module under it is recipes.<same>
+    new = importlib.import_module("recipes" + old[len("programs") :])
+    sys.modules.pop(f"easy_context.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(f"easy_context.{old}")
+    assert module is new
+    assert any(issubclass(w.category, DeprecationWarning) and new.__name__ in str(w.message) for w in caught)
+
+
+def test_a_name_that_never_existed_is_not_found():
+    assert OldPaths().find_spec("easy_context.programs.no_such_module") is None
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("easy_context.no_such_module")

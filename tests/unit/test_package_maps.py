@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = sorted(p.parent for p in (ROOT / "easy_context").rglob("__init__.py"))
+PACKAGES = sorted(p.parent for room in ("easy_context", "recipes") for p in (ROOT / room).rglob("__init__.py"))
 NAME = re.compile(r"(?<![\w./-])([a-z_][a-z0-9_]*)(\.py|/)(?![\w])")
 
 
@@ -44,7 +44,7 @@ def test_every_package_map_names_its_modules_and_only_those(package):
     missing = sorted(files - names)
     # a name that is not the package's own may be a module elsewhere in the library (the top map
     # names subpackages' folders, a backend names core's kernels.py); it must exist somewhere
-    elsewhere = {p.name for p in (ROOT / "easy_context").rglob("*.py")}
-    elsewhere |= {p.name + "/" for p in (ROOT / "easy_context").rglob("*") if p.is_dir()}
+    elsewhere = {p.name for room in ("easy_context", "recipes") for p in (ROOT / room).rglob("*.py")}
+    elsewhere |= {p.name + "/" for room in ("easy_context", "recipes") for p in (ROOT / room).rglob("*") if p.is_dir()}
     invented = sorted(n for n in names - files if n not in elsewhere and not (ROOT / n).exists())  # or a script
     assert not missing and not invented, f"{package.relative_to(ROOT)}: not named {missing}; named, absent {invented}"

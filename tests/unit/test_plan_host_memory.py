@@ -1,4 +1,4 @@
-"""The planner's host memory (easy_context/programs/plan/memory.py: host_memory): what a node
+"""The planner's host memory (recipes/plan/memory.py: host_memory): what a node
 pins for offloaded checkpoints and CPU-offloaded ZeRO / FSDP states, the --host-memory check,
 its default, and the roofline's efficiency constants. Arithmetic only."""
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from easy_context.programs import plan as P
-from easy_context.programs.plan import catalogue
+from recipes import plan as P
+from recipes.plan import catalogue
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = P.PRESETS["llama-3-8b"]

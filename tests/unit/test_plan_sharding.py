@@ -1,9 +1,9 @@
-"""The planner's model-state settings (easy_context/programs/plan/sharding.py): DDP, DeepSpeed
+"""The planner's model-state settings (recipes/plan/sharding.py): DDP, DeepSpeed
 ZeRO-3 and train.py's FSDP2, each priced from its row of the one table. Arithmetic only."""
 
 import pytest
 
-from easy_context.programs import plan as P
+from recipes import plan as P
 
 LLAMA = P.PRESETS["llama-3-8b"]
 H100 = P.get_device("h100-80g")

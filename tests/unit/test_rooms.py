@@ -1,7 +1,8 @@
 """docs/architecture.md's rooms, held: each package room imports only the rooms below it
-(core: none; modes and mixers: core; hf: core, modes, mixers; programs: any), and core, modes
-and mixers never import transformers. Read from the sources' import statements (lazy imports
-inside functions included)."""
+(core: none; modes and mixers: core; hf: core, modes, mixers), core, modes and mixers never
+import transformers, and the library never imports the recipes (nor tools, benchmarks, tests),
+parses a command line or knows the repository's shipped files. Read from the sources' import
+statements (lazy imports inside functions included)."""
 
 import ast
 from pathlib import Path
@@ -39,13 +40,32 @@ def test_each_room_imports_only_the_rooms_below_it():
     assert not wrong, wrong
 
 
+# What only an application knows: the packages beside the library, command-line parsing, the
+# repository's shipped models and configs.
+APPLICATION_IMPORTS = ("recipes", "tools", "benchmarks", "tests", "argparse")
+APPLICATION_FILES = ("demo-base", "demo_base", "configs/")
+
+
+def test_the_library_knows_nothing_of_the_applications():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        where = path.relative_to(PACKAGE.parent)
+        for name in imported(path):
+            if name.split(".")[0] in APPLICATION_IMPORTS:
+                wrong.append(f"{where} imports {name}")
+        # old_paths.py names the recipes' modules as strings for old import paths, and that only
+        code = "" if path.name == "old_paths.py" else path.read_text()
+        wrong += [f"{where} mentions {word}" for word in APPLICATION_FILES if word in code]
+    assert not wrong, wrong
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-# The repository's importable packages: the library, and the tools and benchmarks beside it.
-PACKAGES = ("easy_context", "tools", "benchmarks")
+# The repository's importable packages: the library, and the recipes, tools and benchmarks beside it.
+PACKAGES = ("easy_context", "recipes", "tools", "benchmarks")
 
 
 def test_no_module_imports_itself_back():

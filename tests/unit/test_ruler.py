@@ -1,7 +1,7 @@
-"""The offline RULER-style suite (programs/ruler.py): prompts of exactly the length asked for in
+"""The offline RULER-style suite (recipes/ruler.py): prompts of exactly the length asked for in
 two tokenizers (the shipped base's BPE and the byte tokenizer), deterministic, holding what
 their expected answers say; an oracle scores 1 and a constant answer 0; the lm-eval task files
-(programs/ruler_tasks) name every task with its answer budget."""
+(recipes/ruler_tasks) name every task with its answer budget."""
 
 import collections
 import re
@@ -11,9 +11,9 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from easy_context.programs import ruler
-from easy_context.programs.data import byte_tokenizer
-from easy_context.programs.ruler_tasks import TASKS_DIR
+from recipes import ruler
+from recipes.data import byte_tokenizer
+from recipes.ruler_tasks import TASKS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ def test_the_lm_eval_task_files_name_every_task_with_its_budget():
         assert config["generation_kwargs"]["max_gen_toks"] == spec.max_new_tokens, task
     assert not files, files
     template = yaml.load((TASKS_DIR / "_ec_ruler_template_yaml").read_text(), Loader=Loader)
-    from easy_context.programs.ruler_tasks import utils
+    from recipes.ruler_tasks import utils
 
     assert [int(m["metric"]) for m in template["metric_list"]] == list(utils.METRIC_LENGTHS)
     assert set(ruler.DEFAULT_LENGTHS) <= set(utils.METRIC_LENGTHS)

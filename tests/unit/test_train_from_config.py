@@ -1,6 +1,6 @@
 """train.py --from-config (issue 57): a model shape from a config with random weights, built on
 the device in --param-dtype, with --optimizer and --no-save. End to end under torchrun:
-tests/programs/test_train.py (--from-config tiny-llama trains exactly as --from-scratch)."""
+tests/recipes/test_train.py (--from-config tiny-llama trains exactly as --from-scratch)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from easy_context.programs.training import flags, sources
-from easy_context.programs.training.model import build_optimizer, load_model
+from recipes.training import flags, sources
+from recipes.training.model import build_optimizer, load_model
 
 
 def test_the_8b_preset_is_llama_3_1_8b_and_builds_on_the_meta_device():

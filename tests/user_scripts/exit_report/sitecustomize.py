@@ -1,4 +1,4 @@
-"""An exit report for the clean-exit checks (tests/programs/test_clean_exit.py, the exit section of
+"""An exit report for the clean-exit checks (tests/recipes/test_clean_exit.py, the exit section of
 scripts/gpu_check.sh): with this folder on PYTHONPATH, each torchrun worker writes at its very
 end whether its process group is still up, into EXIT_REPORT_DIR/rank<RANK>. Registered before
 the script runs, so it runs after every exit hook the script and the library register (the

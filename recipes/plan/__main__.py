@@ -1,0 +1,5 @@
+import sys
+
+from recipes.plan.cli import main
+
+sys.exit(main())
