@@ -33,12 +33,11 @@ import torch
 
 import easy_context as ec
 from easy_context.modes import get_mode
+from recipes.configuration import SHARED_BY_SCRIPTS, ParallelismConfig, add_flags
 from recipes.data import embedded_prose
 from recipes.evaluation import load_scorer_for_flags, resolve_model
 from recipes.launch import (
     Stage,
-    add_dist_timeout_flag,
-    add_parallel_mode_flags,
     ring_degree_error,
     run_job,
     run_main,
@@ -78,7 +77,7 @@ def parse_args(argv=None):
         "haystack_dir", default=None, help="folder of .txt files (default: the Python reference docs every Python has)"
     )
     flag("rope_theta", type=float, default=None, help="override the model's RoPE base")
-    add_parallel_mode_flags(p)
+    add_flags(p, [ParallelismConfig], only=SHARED_BY_SCRIPTS)
     flag(
         "sp_size",
         type=int,
@@ -96,7 +95,6 @@ def parse_args(argv=None):
     flag("output_dir", default="outputs/eval")
     flag("seed", type=int, default=42)
     flag("hide_progress", action="store_true")
-    add_dist_timeout_flag(p)
     args = p.parse_args(argv)
 
     errors = []
@@ -186,7 +184,8 @@ def generate_answer(args, scorer, tokenizer, prompt) -> dict:
 
 
 def main(argv=None):
-    return run_job("eval_needle.py", run_sweep, parse_args(argv))
+    args = parse_args(argv)
+    return run_job("eval_needle.py", lambda accelerator, stage: run_sweep(args, accelerator, stage), args.dist_timeout)
 
 
 def run_sweep(args, accelerator, stage: Stage) -> list[dict]:

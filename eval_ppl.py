@@ -34,12 +34,11 @@ import torch
 
 import easy_context as ec
 from easy_context.modes import get_mode
+from recipes.configuration import SHARED_BY_SCRIPTS, ParallelismConfig, add_flags
 from recipes.data import load_any_dataset, stdlib_heldout_documents
 from recipes.evaluation import load_scorer_for_flags, resolve_model
 from recipes.launch import (
     Stage,
-    add_dist_timeout_flag,
-    add_parallel_mode_flags,
     ring_degree_error,
     run_job,
     run_main,
@@ -98,7 +97,7 @@ def parse_args(argv=None):
         help="smaller output-layer chunks; free cached GPU memory after each window",
     )
     p.add_argument("--hide-progress", action="store_true")
-    add_parallel_mode_flags(p)
+    add_flags(p, [ParallelismConfig], only=SHARED_BY_SCRIPTS)
     p.add_argument(
         "--sp-size",
         type=int,
@@ -119,7 +118,6 @@ def parse_args(argv=None):
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bf16 on CUDA, fp32 on CPU",
     )
-    add_dist_timeout_flag(p)
     args = p.parse_args(argv)
     args.model = [m for group in args.model for m in group] if args.model else [None]
 
@@ -254,7 +252,8 @@ def evaluate_model(
 
 
 def main(argv=None):
-    return run_job("eval_ppl.py", run_models, parse_args(argv))
+    args = parse_args(argv)
+    return run_job("eval_ppl.py", lambda accelerator, stage: run_models(args, accelerator, stage), args.dist_timeout)
 
 
 def run_models(args, accelerator, stage: Stage) -> dict:

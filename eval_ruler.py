@@ -29,11 +29,10 @@ import numpy as np
 import easy_context as ec
 from easy_context.modes import get_mode
 from recipes import ruler
+from recipes.configuration import SHARED_BY_SCRIPTS, ParallelismConfig, add_flags
 from recipes.evaluation import load_scorer_for_flags, resolve_model
 from recipes.launch import (
     Stage,
-    add_dist_timeout_flag,
-    add_parallel_mode_flags,
     ring_degree_error,
     run_job,
     run_main,
@@ -64,13 +63,12 @@ def parse_args(argv=None):
         help="needle tasks: the asked needles at this fraction of the haystack (default: random depths)",
     )
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: each task's own)")
-    add_parallel_mode_flags(p)
+    add_flags(p, [ParallelismConfig], only=SHARED_BY_SCRIPTS)
     p.add_argument("--sp-size", type=int, default=None, help="ranks sharing one prompt (default: all)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--rope-theta", type=float, default=None, help="override the model's RoPE base")
     p.add_argument("--output-dir", default="outputs/eval")
     p.add_argument("--hide-progress", action="store_true")
-    add_dist_timeout_flag(p)
     args = p.parse_args(argv)
     errors = []
     tasks = list(ruler.TASKS) if args.tasks == "all" else [t for t in args.tasks.split(",") if t]
@@ -97,7 +95,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    return run_job("eval_ruler.py", run_suite, parse_args(argv))
+    args = parse_args(argv)
+    return run_job("eval_ruler.py", lambda accelerator, stage: run_suite(args, accelerator, stage), args.dist_timeout)
 
 
 def run_suite(args, accelerator, stage: Stage) -> list[dict]:

@@ -18,12 +18,13 @@
 
     # GPUs, DeepSpeed ZeRO-3 with CPU offload (see accelerate_configs/ and scripts/)
     accelerate launch --config_file accelerate_configs/single_node.yaml train.py \
-        --model meta-llama/Llama-2-7b-hf --dataset PATH --seq-length 65536 --parallel_mode zigzag_ring_attn
+        --model meta-llama/Llama-2-7b-hf --dataset PATH --seq-length 65536 --parallel-mode zigzag_ring_attn
 
 Read top to bottom: arguments -> accelerator -> model -> data -> optimizer/schedule ->
 resume -> loop (shard, chunked loss, backward, step, log, checkpoint) -> save_pretrained.
-The steps it calls live in recipes/training/, its flags (by group, each with its
-check) in training/flags.py.
+The steps it calls live in recipes/training/; its configuration (one dataclass per concern,
+each field with its default, doc and check; the flags are generated from them) in
+training/config.py.
 """
 
 from __future__ import annotations
@@ -35,24 +36,26 @@ import time
 import easy_context as ec
 from easy_context.hf.loss import global_token_mean
 from recipes import fsdp
-from recipes.checkpointing import Checkpoints
+from recipes.checkpointing import Checkpoints, resume_record
+from recipes.configuration import values_of
 from recipes.launch import Stage, injected_fault, run_job, run_main
-from recipes.training import flags
 from recipes.training.batches import ShardedBatches, build_data
+from recipes.training.config import TrainConfig, parse_config
 from recipes.training.model import build_model, build_optimizer, load_model  # noqa: F401
 from recipes.training.report import TrainingLog, save_model, write_summary
 from recipes.training.run import Run, resume_run, set_up_run, stop_on_nonfinite_loss
 from recipes.training.sources import DEMO_BASE  # noqa: F401 (the default model, for tests and tools)
 
 
-def parse_args(argv=None):
-    return flags.parse_args(argv, description=__doc__)
+def parse_args(argv=None) -> TrainConfig:
+    """The command line as the run's configuration (every script's parse_args parses its own)."""
+    return parse_config(argv, description=__doc__)
 
 
 # --------------------------------------------------------------------------------- main
 def main(argv=None):
-    args = parse_args(argv)
-    tracker = "wandb" if args.wandb else args.log_with
+    config = parse_args(argv)
+    tracker = "wandb" if config.logging.wandb else config.logging.log_with
     if tracker == "auto":
         import importlib.util
 
@@ -63,56 +66,58 @@ def main(argv=None):
         )
     return run_job(
         "train.py",
-        lambda args, accelerator, stage: train(args, accelerator, tracker, stage),
-        args,
-        gradient_accumulation_steps=args.gradient_accumulate_every,
+        lambda accelerator, stage: train(config, accelerator, tracker, stage),
+        config.parallelism.dist_timeout,
+        gradient_accumulation_steps=config.optimisation.gradient_accumulate_every,
         log_with=None if tracker == "none" else tracker,
-        project_dir=args.output_dir,
+        project_dir=config.checkpoints.output_dir,
         # accelerate would step the schedule once per process (it assumes a sharded loader)
         step_scheduler_with_optimizer=False,
     )
 
 
-def train(args, accelerator, tracker: str, stage: Stage) -> float:
-    run = set_up_run(args, accelerator, stage)
+def train(config: TrainConfig, accelerator, tracker: str, stage: Stage) -> float:
+    run = set_up_run(config, accelerator, stage)
+    steps, checkpoint_every = config.optimisation.max_train_steps, config.checkpoints.checkpointing_steps
     trainable, tokenizer = build_model(run)
     batches = build_data(run, tokenizer, trainable.config.vocab_size)
     optimizer, scheduler = build_optimizer(run, trainable)
     # DDP (MULTI_CPU / MULTI_GPU), DeepSpeed or --fsdp: gradients are averaged over every rank.
     stage.at("preparing the model (DDP / DeepSpeed)")
-    if args.fsdp:  # sharded already: accelerate would wrap it in DDP
+    if config.parallelism.fsdp:  # sharded already: accelerate would wrap it in DDP
         optimizer, scheduler = fsdp.prepare(accelerator, trainable, optimizer, scheduler)
     else:
         trainable, optimizer, scheduler = accelerator.prepare(trainable, optimizer, scheduler)
-    checkpoints = Checkpoints(accelerator, args)
+    # after build_data, which settles the data order the checkpoints record
+    checkpoints = Checkpoints(accelerator, config.checkpoints, resume_record(values_of(config), run.world))
     step, skipped, resumed = resume_run(run, checkpoints)
     log = TrainingLog(run, tracker, step, resumed)
 
     trainable.train()
     loss = float("nan")  # the last finite step's
-    while step < args.max_train_steps:
+    while step < steps:
         started = time.perf_counter()
         step_loss, nonfinite = optimizer_step(run, trainable, optimizer, scheduler, batches, step)
         if nonfinite is not None:
             skipped += 1
-            if skipped > args.skip_nonfinite_steps:
+            if skipped > config.optimisation.skip_nonfinite_steps:
                 stop_on_nonfinite_loss(run, checkpoints, step, skipped - 1, *nonfinite)
             accelerator.print(
                 f"step {step + 1}: non-finite loss {nonfinite[0]}, step skipped "
-                f"({skipped} of --skip-nonfinite-steps {args.skip_nonfinite_steps})"
+                f"({skipped} of --skip-nonfinite-steps {config.optimisation.skip_nonfinite_steps})"
             )
         step += 1
         elapsed = time.perf_counter() - started
         if step_loss is not None:
             loss = step_loss
         log.step(step, step_loss, scheduler.get_last_lr()[0], elapsed)
-        if args.checkpointing_steps and step % args.checkpointing_steps == 0 and step < args.max_train_steps:
+        if checkpoint_every and step % checkpoint_every == 0 and step < steps:
             stage.at("checkpoint save", step)
             checkpoints.save(step, skipped)
     log.close()
 
     write_summary(run, step, loss, skipped)
-    if args.no_save:
+    if config.checkpoints.no_save:
         accelerator.print(f"not saving the model (--no-save; final loss {loss:.4f})")
     else:
         save_model(run, trainable, tokenizer, loss)
@@ -125,11 +130,11 @@ def optimizer_step(run: Run, trainable, optimizer, scheduler, batches: ShardedBa
     """Step `step` + 1 over --gradient-accumulate-every micro-batches: (the mean of their
     losses, None), or (None, (global mean, this rank's loss sum)) of a non-finite one, after
     which the step is lost: no update and no schedule step."""
-    args, accelerator, stage = run.args, run.accelerator, run.stage
+    config, accelerator, stage = run.config, run.accelerator, run.stage
     step_sum, step_count, nonfinite = 0.0, 0.0, None
-    for micro in range(args.gradient_accumulate_every):
+    for micro in range(config.optimisation.gradient_accumulate_every):
         stage.at("preparing the batch", step + 1)
-        inputs = batches.shard(step * args.gradient_accumulate_every + micro, step + 1)
+        inputs = batches.shard(step * config.optimisation.gradient_accumulate_every + micro, step + 1)
         # Every micro-batch enters accumulate(), so accelerate's count of them stays aligned,
         # but after a non-finite one the step is lost and the rest do no work: no backward,
         # which under DeepSpeed would also step the engine at the boundary.

@@ -139,7 +139,7 @@ def train_flags(name: str, model: Path, out: Path, seq: int, mode: str, tile: in
         str(TRAIN),
         "--model",
         str(model),
-        "--parallel_mode",
+        "--parallel-mode",
         mode,
         "--seq-length",
         str(seq),
@@ -209,7 +209,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lengths", default="16384,32768", help="comma separated (default 16384,32768)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma separated, of {list(CONFIGS)}")
-    p.add_argument("--mode", default="zigzag_ring_attn", help="train.py's --parallel_mode (over both ranks)")
+    p.add_argument("--mode", default="zigzag_ring_attn", help="train.py's --parallel-mode (over both ranks)")
     p.add_argument("--exact-memory", action="store_true", help="MALLOC_MMAP_THRESHOLD_=65536 in the ranks (see above)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds one launch may take (default 7200)")
     p.add_argument("--csv", default=None, help="also write the rows here")

@@ -4,7 +4,9 @@ They use easy_context as any user does (its public names and rooms); the library
 them. Command lines, the data pipelines, checkpoints and the repository's shipped files
 (models/demo-base, configs/) live here, not in the library.
 
-training/      train.py's steps (run, model, batches, report) and its flags, by group, with their checks
+training/      train.py's steps (run, model, batches, report) and its configuration (config.py)
+configuration.py  settings as dataclasses -> the command line, --help and the docs' flag tables;
+               the parallelism section the scripts share
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
 data/          datasets to packed rows; the embedded default corpus
 models.py      load or build a model for a supported type

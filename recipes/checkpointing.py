@@ -19,9 +19,13 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recipes import manifest
 from recipes.launch import injected_fault
+
+if TYPE_CHECKING:
+    from recipes.training.config import CheckpointConfig
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -34,6 +38,7 @@ __all__ = [
     "read_trainer_state",
     "resolve_resume",
     "save_checkpoint",
+    "resume_record",
 ]
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
@@ -156,7 +161,13 @@ def legacy_resume_values(saved: dict) -> dict:
     return values
 
 
-def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
+def resume_record(settings, world_size: int) -> dict:
+    """What a checkpoint records and a resume compares: the settings of RESUME_KEYS (`settings`:
+    every setting by name, recipes.configuration.values_of) and the number of processes."""
+    return {k: world_size if k == "world_size" else getattr(settings, k) for k in RESUME_KEYS}
+
+
+def save_checkpoint(accelerator, where: CheckpointConfig, record: dict, step: int, skipped: int) -> Path:
     """Atomic and verified: every rank writes into checkpoint-N.partial; rank 0 adds
     trainer_state.json; the ranks hash the folder's files between them and rank 0 writes
     manifest.json last, then renames the folder to checkpoint-N (a rename within a folder is
@@ -166,7 +177,7 @@ def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
     and deleted in the background, so the other ranks do not wait on rank 0's rmtree."""
     from accelerate.utils import gather_object
 
-    final = Path(args.output_dir) / f"checkpoint-{step}"
+    final = Path(where.output_dir) / f"checkpoint-{step}"
     partial = final.with_name(final.name + ".partial")
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)  # left by a save that was killed
@@ -177,30 +188,29 @@ def save_checkpoint(accelerator, args, step: int, skipped: int) -> Path:
         accelerator.save_state(str(partial))
         _injected_save_faults(step, rank, partial)
         if accelerator.is_main_process:
-            args.world_size = world
-            state = {"step": step, "skipped_steps": skipped, "args": {k: getattr(args, k) for k in RESUME_KEYS}}
+            state = {"step": step, "skipped_steps": skipped, "args": record}
             (partial / "trainer_state.json").write_text(json.dumps(state, indent=1))
     except OSError as error:
         failure = f"rank {rank}: {error}"
-    _raise_if_any_failed(gather_object([failure]), final, args.output_dir)
+    _raise_if_any_failed(gather_object([failure]), final, where.output_dir)
     try:
         names = manifest.files_of(partial) if failure is None else []
         share = manifest.digests(partial, names, rank, world)
     except OSError as error:
         share, failure = {}, f"rank {rank}: {error}"
     shares = gather_object([(share, failure)])
-    _raise_if_any_failed([f for _, f in shares], final, args.output_dir)
+    _raise_if_any_failed([f for _, f in shares], final, where.output_dir)
     if accelerator.is_main_process:
         manifest.write_manifest(partial, {name: entry for s, _ in shares for name, entry in s.items()})
         doomed = []
         if final.exists():  # the same step saved by an earlier run of this output dir
             doomed.append(set_aside(final))
         os.replace(partial, final)
-        doomed += [set_aside(old) for old in checkpoints_to_prune(args.output_dir, args.save_total_limit, step)]
+        doomed += [set_aside(old) for old in checkpoints_to_prune(where.output_dir, where.save_total_limit, step)]
         # left by killed saves, or by deletions a finished process did not complete
         doomed += [
-            *Path(args.output_dir).glob("checkpoint-*.partial"),
-            *Path(args.output_dir).glob("checkpoint-*.stale-*"),
+            *Path(where.output_dir).glob("checkpoint-*.partial"),
+            *Path(where.output_dir).glob("checkpoint-*.stale-*"),
         ]
         threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True).start()
     accelerator.wait_for_everyone()
@@ -246,11 +256,12 @@ def checkpoints_to_prune(output_dir: str, save_total_limit: int | None, step: in
 
 
 class Checkpoints:
-    """The checkpoints of one run in args.output_dir, and the newest one it saved or resumed
-    from: a run that stops on a non-finite loss keeps its last good step without saving twice."""
+    """The checkpoints of one run in --output-dir, and the newest one it saved or resumed
+    from: a run that stops on a non-finite loss keeps its last good step without saving twice.
+    `record`: the run's resume_record, saved with each checkpoint and compared on resume."""
 
-    def __init__(self, accelerator, args):
-        self.accelerator, self.args = accelerator, args
+    def __init__(self, accelerator, where: CheckpointConfig, record: dict):
+        self.accelerator, self.where, self.record = accelerator, where, record
         self.newest: tuple[int, Path] | None = None  # (step, folder)
 
     def find(self, resume_from: str | None) -> Path | None:
@@ -263,17 +274,14 @@ class Checkpoints:
         def check(path):
             return manifest.first_problem(path, lambda found: gather_object([found]), rank, world)
 
-        return resolve_resume(resume_from, self.args.output_dir, check, accelerator.print)
+        return resolve_resume(resume_from, self.where.output_dir, check, accelerator.print)
 
     def resume(self, path: Path) -> tuple[int, int]:
         """Load `path` into the prepared model, optimizer and schedule; (step, skipped steps).
         Refused before anything is loaded when a flag in RESUME_KEYS differs."""
         state = read_trainer_state(path)
-        self.args.world_size = self.accelerator.num_processes
         saved = legacy_resume_values(state["args"])
-        changed = {
-            k: (saved.get(k), getattr(self.args, k)) for k in RESUME_KEYS if saved.get(k) != getattr(self.args, k)
-        }
+        changed = {k: (saved.get(k), self.record[k]) for k in RESUME_KEYS if saved.get(k) != self.record[k]}
         if changed:
             raise CheckpointError(
                 f"cannot resume {path}: these flags differ from the checkpoint (checkpoint, now): {changed}"
@@ -288,7 +296,7 @@ class Checkpoints:
         return state["step"], state.get("skipped_steps", 0)
 
     def save(self, step: int, skipped: int) -> Path:
-        self.newest = (step, save_checkpoint(self.accelerator, self.args, step, skipped))
+        self.newest = (step, save_checkpoint(self.accelerator, self.where, self.record, step, skipped))
         return self.newest[1]
 
     def keep_last_good_step(self, step: int, skipped: int) -> Path | None:

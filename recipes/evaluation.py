@@ -229,7 +229,7 @@ def load_scorer(
 
 
 def load_scorer_for_flags(accelerator, source: str, args, max_length: int, **options):
-    """load_scorer with the eval scripts' shared flags: --parallel_mode, --sp-size, --ring_degree,
+    """load_scorer with the eval scripts' shared flags: --parallel-mode, --sp-size, --ring-degree,
     --rope-theta, --dtype."""
     return load_scorer(
         accelerator,

@@ -25,14 +25,15 @@ import torch
 __all__ = ["ShardedTrainingState", "flag_errors", "refusal", "full_state_dict", "prepare", "shard_model"]
 
 
-def flag_errors(args) -> list[str]:
-    """train.py's flags that cannot go with --fsdp (checked by argparse, before anything loads)."""
-    if not args.fsdp:
-        return ["--fsdp-offload needs --fsdp"] if args.fsdp_offload else []
+def flag_errors(settings) -> list[str]:
+    """train.py's settings that cannot go with --fsdp (checked after parsing, before anything loads);
+    `settings`: every setting by name (recipes.configuration.values_of)."""
+    if not settings.fsdp:
+        return ["--fsdp-offload needs --fsdp"] if settings.fsdp_offload else []
     errors = []
-    if args.compile:
+    if settings.compile:
         errors.append("--fsdp with --compile is not supported (compiling FSDP2's hooks is untested); drop one of them")
-    if getattr(args, "lora_r", None) is not None:
+    if getattr(settings, "lora_r", None) is not None:
         errors.append(
             "--fsdp with --lora-r is not supported yet (sharding a PeftModel's frozen base is untested); "
             "drop --fsdp (LoRA's weights and optimizer state are small) or --lora-r"
@@ -40,7 +41,7 @@ def flag_errors(args) -> list[str]:
     return errors
 
 
-def refusal(args, accelerator) -> str | None:
+def refusal(fsdp_requested: bool, accelerator) -> str | None:
     """Why this launch cannot run --fsdp (or accelerate's own FSDP), or None."""
     # On CPU accelerate ignores its FSDP config (the run would be DDP): refuse it by the launcher's variable too
     if accelerator.distributed_type.name == "FSDP" or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
@@ -49,7 +50,7 @@ def refusal(args, accelerator) -> str | None:
             "untested here); launch without it (torchrun, or accelerate launch with a plain multi-GPU config) "
             "and pass --fsdp"
         )
-    if not args.fsdp:
+    if not fsdp_requested:
         return None
     if accelerator.state.deepspeed_plugin is not None:
         return "--fsdp with DeepSpeed: both shard the model; drop --fsdp, or launch without the DeepSpeed config"

@@ -1,6 +1,7 @@
 """How the scripts start, fail and stop, the same way everywhere.
 
-- add_dist_timeout_flag, add_parallel_mode_flags: the flags every script shares.
+- dist_timeout_seconds, ring_degree_error: the values and the check of the flags every script
+  shares (declared once in recipes/configuration.py's ParallelismConfig).
 - make_accelerator: NCCL on GPUs, DDP over gloo on CPU, DeepSpeed kept, a bounded timeout.
 - fail / exit codes: a one-line message, and every rank leaves (no peer left waiting).
 - script_failures: a stuck or dead peer, or a refusal raised mid-run, becomes one line naming
@@ -23,8 +24,7 @@ import torch
 
 __all__ = [
     "make_accelerator",
-    "add_dist_timeout_flag",
-    "add_parallel_mode_flags",
+    "dist_timeout_seconds",
     "ring_degree_error",
     "fail",
     "script_failures",
@@ -55,7 +55,8 @@ DEFAULT_DIST_TIMEOUT = 600.0
 MAX_DIST_TIMEOUT = 1e6  # seconds (11.6 days): torch keeps timeouts in int32 milliseconds up to 2.1e6 s
 
 
-def _dist_timeout(text: str) -> float:
+def dist_timeout_seconds(text: str) -> float:
+    """--dist-timeout's value: seconds in (0, MAX_DIST_TIMEOUT]."""
     import argparse
     import math
 
@@ -68,41 +69,13 @@ def _dist_timeout(text: str) -> float:
     return seconds
 
 
-def add_dist_timeout_flag(parser) -> None:
-    parser.add_argument(
-        "--dist-timeout",
-        type=_dist_timeout,
-        default=DEFAULT_DIST_TIMEOUT,
-        metavar="SECONDS",
-        help="longest wait for a peer in any collective before every rank stops with a message "
-        f"(default {DEFAULT_DIST_TIMEOUT:g} s)",
-    )
-
-
-def add_parallel_mode_flags(parser) -> None:
-    """--parallel_mode and --ring_degree, in EasyContext's underscore spelling and the dashed one."""
-    from easy_context.modes import MODE_NAMES
-
-    parser.add_argument(
-        "--parallel_mode", "--parallel-mode", dest="parallel_mode", default="zigzag_ring_attn", choices=MODE_NAMES
-    )
-    parser.add_argument(
-        "--ring_degree",
-        "--ring-degree",
-        dest="ring_degree",
-        type=int,
-        default=None,
-        help="usp_attn: ring part of the SP group",
-    )
-
-
 def ring_degree_error(args) -> str | None:
-    """The refusal of --ring_degree with a mode that has no ring part to size, or None."""
+    """The refusal of --ring-degree with a mode that has no ring part to size, or None."""
     from easy_context.modes import get_mode, modes_with
 
     if args.ring_degree is not None and not get_mode(args.parallel_mode).takes_ring_degree:
         modes = " / ".join(modes_with("takes_ring_degree"))
-        return f"--ring_degree applies to {modes} only (got --parallel_mode {args.parallel_mode})"
+        return f"--ring-degree applies to {modes} only (got --parallel-mode {args.parallel_mode})"
     return None
 
 
@@ -309,13 +282,14 @@ def script_failures(script: str, stage: Stage, timeout: float | None):
 
 
 # ----------------------------------------------------------------------- a script's run
-def run_job(script: str, job, args, **accelerator_kwargs):
-    """The scripts' frame: make the accelerator, run job(args, accelerator, stage), shut down
-    cleanly; a refusal or a failed collective anywhere in it ends as one line (script_failures)."""
+def run_job(script: str, job, dist_timeout: float, **accelerator_kwargs):
+    """The scripts' frame: make the accelerator, run job(accelerator, stage), shut down cleanly;
+    a refusal or a failed collective anywhere in it ends as one line (script_failures).
+    `dist_timeout`: --dist-timeout, the longest wait in any collective."""
     stage = Stage()
-    with script_failures(script, stage, args.dist_timeout):
-        accelerator = make_accelerator(dist_timeout=args.dist_timeout, **accelerator_kwargs)
-        result = job(args, accelerator, stage)
+    with script_failures(script, stage, dist_timeout):
+        accelerator = make_accelerator(dist_timeout=dist_timeout, **accelerator_kwargs)
+        result = job(accelerator, stage)
         stage.at("shutdown")
         shutdown(accelerator)
     return result

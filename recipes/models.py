@@ -69,5 +69,5 @@ def check_config(config, topology, seq_length: int, mode: str) -> None:
     if heads % topology.ulysses_degree:
         raise ValueError(
             f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "
-            f"(parallel mode {mode}); use a degree dividing {heads} (--ring_degree with usp_attn) or zigzag_ring_attn"
+            f"(parallel mode {mode}); use a degree dividing {heads} (--ring-degree with usp_attn) or zigzag_ring_attn"
         )

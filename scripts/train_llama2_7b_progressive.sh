@@ -17,7 +17,7 @@ LAUNCH="accelerate launch --config_file accelerate_configs/single_node.yaml --nu
 stage() {  # name seq_length rope_theta parallel_mode gradient_accumulate_every
   local name=$1 seq=$2 theta=$3 mode=$4 accumulate=$5
   $LAUNCH train.py --model "$MODEL" --dataset "$DATASET" --output-dir "$OUT/$name" \
-    --seq-length "$seq" --rope-theta "$theta" --parallel_mode "$mode" \
+    --seq-length "$seq" --rope-theta "$theta" --parallel-mode "$mode" \
     --batch-size 1 --gradient-accumulate-every "$accumulate" --max-train-steps "$STEPS" \
     --learning-rate 2e-5 --activation-checkpointing --checkpointing-steps 10 --seed 42
   MODEL="$OUT/$name"

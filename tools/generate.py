@@ -26,8 +26,9 @@ import torch
 import easy_context as ec
 from easy_context.hf.sharded_cache import kv_bytes
 from easy_context.versions import output_cache
+from recipes.configuration import ParallelismConfig, add_flags
 from recipes.evaluation import load_scorer_for_flags, resolve_model
-from recipes.launch import Stage, add_dist_timeout_flag, run_job, run_main
+from recipes.launch import Stage, run_job, run_main
 from recipes.launch import fail as launch_fail
 
 
@@ -61,7 +62,7 @@ def parse_args(argv=None):
         help="auto: bf16 on CUDA, fp32 on CPU",
     )
     flag("rope_theta", type=float, default=None, help="override the model's RoPE base")
-    add_dist_timeout_flag(p)
+    add_flags(p, [ParallelismConfig], only=["dist_timeout"])
     args = p.parse_args(argv)
     errors = []
     if args.max_new_tokens < 1:
@@ -154,7 +155,8 @@ def run(args, accelerator, stage: Stage):
 
 
 def main(argv=None):
-    return run_job("tools/generate.py", run, parse_args(argv))
+    args = parse_args(argv)
+    return run_job("tools/generate.py", lambda accelerator, stage: run(args, accelerator, stage), args.dist_timeout)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def flags_of(row: dict, seq: int, packed: bool = False) -> str:
     """train.py / accelerate flags for a row (`seq`: the sequence length planned for). `packed`:
     the rows are packed documents: document masking, and in modes that take a layout per row
     the workload layout (whole short documents, the longest cut; docs/benchmarks.md)."""
-    parts = [f"--parallel_mode {row['mode']}"]
+    parts = [f"--parallel-mode {row['mode']}"]
     mode = get_mode(row["mode"])
     if packed:
         parts.append("--document-masking")
@@ -146,7 +146,7 @@ def flags_of(row: dict, seq: int, packed: bool = False) -> str:
     if mode.sequence_parallel and row["dp_size"] > 1:
         parts.append(f"--sp-size {row['sp_size']}")
     if mode.takes_ring_degree:
-        parts.append(f"--ring_degree {row['ring_degree']}")
+        parts.append(f"--ring-degree {row['ring_degree']}")
     if row["activation_checkpointing"]:
         parts.append("--activation-checkpointing")
     if row["offload_checkpoints"]:

@@ -1,8 +1,7 @@
 """What train.py needs besides its outline: train.py reads top to bottom (set up, build, loop,
 save), and these modules hold its steps.
 
-flags.py    the flags, declared once by group, each with its check (grouped --help)
-flag_declaration.py  what a flag is (settings and check, in groups) and the checks any flag may use
+config.py   TrainConfig: the run's settings, one dataclass per concern, each field with its doc and check
 sources.py  where the shipped demo base and the model shapes of configs/ are
 run.py      the run's setup (seed, layout, refusals), resume, and stopping on a non-finite loss
 model.py    the model (loaded, LoRA, patched, FSDP2, compiled) and its optimizer and schedule

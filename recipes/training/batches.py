@@ -19,66 +19,73 @@ from recipes.data import (
     with_retrieval_rows,
 )
 from recipes.demo_data import NeedleAnswerRows
-from recipes.training.flags import DEFAULT_RETRIEVAL_FRACTION
+from recipes.training.config import DEFAULT_RETRIEVAL_FRACTION, DataConfig
 from recipes.training.run import Run, fail
 
 
 def build_data(run: Run, tokenizer, vocab_size: int) -> ShardedBatches:
-    args, accelerator = run.args, run.accelerator
-    micro_batches = args.max_train_steps * args.gradient_accumulate_every
+    config, data, accelerator = run.config, run.config.data, run.accelerator
+    micro_batches = config.optimisation.max_train_steps * config.optimisation.gradient_accumulate_every
     # The main process first: it downloads and tokenizes into datasets' cache, the others then
     # read the cache. They wait in a collective, so a first tokenization longer than
     # --dist-timeout stops them; the phase name says so.
     run.stage.at("loading the data (the main process tokenizes --dataset first; the others wait up to --dist-timeout)")
     with accelerator.main_process_first():
-        rows = load_rows(args, micro_batches * args.batch_size * run.dp_size, tokenizer, run.dp_rank, run.dp_size)
-    if not isinstance(rows, StreamedRows) and len(rows) < args.batch_size * run.dp_size:
+        rows = load_rows(
+            config.data,
+            config.model.model,
+            micro_batches * data.batch_size * run.dp_size,
+            tokenizer,
+            run.dp_rank,
+            run.dp_size,
+        )
+    if not isinstance(rows, StreamedRows) and len(rows) < data.batch_size * run.dp_size:
         fail(
-            f"{len(rows)} rows of {args.seq_length + 1} tokens are fewer than one step needs "
-            f"({args.batch_size * run.dp_size})"
+            f"{len(rows)} rows of {data.seq_length + 1} tokens are fewer than one step needs "
+            f"({data.batch_size * run.dp_size})"
         )
     # The order this run reads in, as checkpoints record it (RESUME_KEYS): by work only where
     # that applies (document masking, several DP groups, rows that know their documents).
-    if not (args.document_masking and run.dp_size > 1 and hasattr(rows, "row_products")):
-        args.data_order = "random"
+    if not (data.document_masking and run.dp_size > 1 and hasattr(rows, "row_products")):
+        data.data_order = "random"
     return ShardedBatches(run, rows, tokenizer.eos_token_id, vocab_size)
 
 
-def load_rows(args, rows_needed: int, tokenizer, dp_rank: int, dp_size: int):
+def load_rows(data: DataConfig, model: str | None, rows_needed: int, tokenizer, dp_rank: int, dp_size: int):
     """Rows of seq_length + 1 tokens (inputs and their next-token targets): for the embedded
     corpus, a tensor (byte tokenizer) or NeedleAnswerRows, whose rows come with labels (any other
     tokenizer); for --dataset, rows read lazily from its Arrow storage (or its stream)."""
-    length = args.seq_length + 1
-    if args.dataset is None and len(tokenizer) == BYTE_EOS_ID + 1 and tokenizer.eos_token_id == BYTE_EOS_ID:
+    length = data.seq_length + 1
+    if data.dataset is None and len(tokenizer) == BYTE_EOS_ID + 1 and tokenizer.eos_token_id == BYTE_EOS_ID:
         stream = stdlib_token_stream(max_tokens=rows_needed * length)
-        rows = windows(stream, length, args.max_rows)
+        rows = windows(stream, length, data.max_rows)
         if len(rows) == 0:
             fail(f"the embedded corpus is shorter than one sequence of {length} tokens")
-        fraction = DEFAULT_RETRIEVAL_FRACTION if args.retrieval_fraction is None else args.retrieval_fraction
-        return with_retrieval_rows(rows, fraction, args.seed)
-    if args.dataset is None:
-        if args.retrieval_fraction is not None:
+        fraction = DEFAULT_RETRIEVAL_FRACTION if data.retrieval_fraction is None else data.retrieval_fraction
+        return with_retrieval_rows(rows, fraction, data.seed)
+    if data.dataset is None:
+        if data.retrieval_fraction is not None:
             fail(
-                f"--retrieval-fraction {args.retrieval_fraction}: the embedded corpus of a model with its own "
+                f"--retrieval-fraction {data.retrieval_fraction}: the embedded corpus of a model with its own "
                 "tokenizer is all needle documents; the fraction applies to the byte-level corpus (--from-scratch)"
             )
         if tokenizer.eos_token_id is None:
-            fail(f"--model {args.model}: the embedded needle corpus separates documents by EOS; the tokenizer has none")
-        count = rows_needed if args.max_rows is None else min(rows_needed, args.max_rows)
-        return NeedleAnswerRows(tokenizer, length, count, args.seed)
+            fail(f"--model {model}: the embedded needle corpus separates documents by EOS; the tokenizer has none")
+        count = rows_needed if data.max_rows is None else min(rows_needed, data.max_rows)
+        return NeedleAnswerRows(tokenizer, length, count, data.seed)
     try:
         return open_rows(
-            args.dataset,
+            data.dataset,
             length,
             tokenizer,
-            text_column=args.text_column,
-            max_rows=args.max_rows,
-            streaming=args.streaming,
+            text_column=data.text_column,
+            max_rows=data.max_rows,
+            streaming=data.streaming,
             dp_rank=dp_rank,
             dp_size=dp_size,
         )
     except (ValueError, OSError) as error:
-        fail(f"--dataset {args.dataset}: {error}")
+        fail(f"--dataset {data.dataset}: {error}")
 
 
 @functools.lru_cache(maxsize=2)  # one permutation per epoch, not one per micro-batch (10M rows: 80 MB)
@@ -119,9 +126,9 @@ class ShardedBatches:
     def shard(self, index: int, step: int):
         """Micro-batch `index` (of step `step`) on this rank: (input_ids, position_ids,
         target_ids, the model's extra attention arguments)."""
-        run, args = self.run, self.run.args
-        balanced = args.data_order == "balanced"
-        batch = micro_batch(self.rows, index, args.batch_size, run.dp_rank, run.dp_size, args.seed, balanced)
+        run, data = self.run, self.run.config.data
+        balanced = data.data_order == "balanced"
+        batch = micro_batch(self.rows, index, data.batch_size, run.dp_rank, run.dp_size, data.seed, balanced)
         batch, labels = batch if isinstance(batch, tuple) else (batch, batch)  # labels: -100 where not trained
         if batch.min() < 0 or batch.max() >= self.vocab_size:  # else an IndexError (CPU) or a device assert (CUDA)
             bad = batch.min().item() if batch.min() < 0 else batch.max().item()
@@ -130,9 +137,15 @@ class ShardedBatches:
                 f"outside the model's vocabulary (0..{self.vocab_size - 1}); "
                 "was --dataset tokenized with another tokenizer?"
             )
-        positions = document_positions(batch[:, :-1], self.eos_id) if args.document_masking else None
+        positions = document_positions(batch[:, :-1], self.eos_id) if data.document_masking else None
         local = ec.prepare_seq_parallel_inputs(
-            args.parallel_mode, batch[:, :-1], positions, labels[:, 1:], run.rank, run.world, run.accelerator.device
+            run.config.parallelism.parallel_mode,
+            batch[:, :-1],
+            positions,
+            labels[:, 1:],
+            run.rank,
+            run.world,
+            run.accelerator.device,
         )
         extra = {"seq_parallel_index": local["local_token_index"]} if run.document_split else {}
         return local["local_input_ids"], local["local_position_ids"], local["local_target_ids"], extra

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from recipes import fsdp
+from recipes.configuration import values_of
 from recipes.training.run import Run
 
 
@@ -20,20 +21,29 @@ class TrainingLog:
     def __init__(self, run: Run, tracker: str, first_step: int, resumed: bool):
         from tqdm.auto import tqdm
 
-        args, accelerator = run.args, run.accelerator
+        config, accelerator = run.config, run.accelerator
         self.accelerator = accelerator
-        self.path = Path(args.output_dir) / "train_log.jsonl"
+        self.path = Path(config.checkpoints.output_dir) / "train_log.jsonl"
         if accelerator.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not resumed:
                 self.path.unlink(missing_ok=True)  # a fresh run starts a fresh log
         if accelerator.is_main_process and tracker != "none":
             accelerator.init_trackers(
-                args.wandb or "easy-context", config={k: v for k, v in vars(args).items() if v is not None}
+                config.logging.wandb or "easy-context",
+                config={k: v for k, v in vars(values_of(config)).items() if v is not None},
             )
-        self.tokens_per_step = args.seq_length * args.batch_size * args.gradient_accumulate_every * run.dp_size
+        self.tokens_per_step = (
+            config.data.seq_length
+            * config.data.batch_size
+            * config.optimisation.gradient_accumulate_every
+            * run.dp_size
+        )
         self.bar = tqdm(
-            total=args.max_train_steps, initial=first_step, disable=not accelerator.is_local_main_process, desc="train"
+            total=config.optimisation.max_train_steps,
+            initial=first_step,
+            disable=not accelerator.is_local_main_process,
+            desc="train",
         )
 
     def step(self, step: int, loss: float | None, lr: float, elapsed: float) -> None:
@@ -78,7 +88,7 @@ def write_summary(run: Run, step: int, loss: float, skipped: int) -> None:
             "peak_rss_mib_per_rank": peak_rss,
             "peak_cuda_allocated_mib_per_rank": peak_gpu,
         }
-        (Path(run.args.output_dir) / "train_summary.json").write_text(json.dumps(summary, indent=1))
+        (Path(run.config.checkpoints.output_dir) / "train_summary.json").write_text(json.dumps(summary, indent=1))
 
 
 def peak_rss_mib() -> float | None:
@@ -94,10 +104,12 @@ def peak_rss_mib() -> float | None:
 def save_model(run: Run, trainable, tokenizer, loss: float) -> None:
     """The trained model (without the loss wrapper) and tokenizer, save_pretrained into --output-dir;
     with --lora-r the PeftModel's save_pretrained writes the adapter only."""
-    accelerator, output_dir = run.accelerator, run.args.output_dir
+    accelerator, output_dir = run.accelerator, run.config.checkpoints.output_dir
     run.stage.at("saving the model")
     accelerator.wait_for_everyone()
-    state_dict = fsdp.full_state_dict(trainable) if run.args.fsdp else accelerator.get_state_dict(trainable)
+    state_dict = (
+        fsdp.full_state_dict(trainable) if run.config.parallelism.fsdp else accelerator.get_state_dict(trainable)
+    )
     if accelerator.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         unwrapped = accelerator.unwrap_model(trainable).model

@@ -3,7 +3,6 @@ stops on a non-finite loss."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
@@ -15,6 +14,7 @@ from recipes import fsdp
 from recipes.checkpointing import CheckpointError, Checkpoints
 from recipes.launch import EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage
 from recipes.launch import fail as launch_fail
+from recipes.training.config import TrainConfig
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT):
@@ -22,10 +22,11 @@ def fail(message: str, code: int = EXIT_BAD_INPUT):
 
 
 class Run:
-    """What the steps of a run share: its flags, the accelerator, where this rank sits."""
+    """What the steps of a run share, built once and passed to each: its configuration, the
+    accelerator, where this rank sits."""
 
-    def __init__(self, args: argparse.Namespace, accelerator, stage: Stage, topology, deepspeed, document_split):
-        self.args, self.accelerator, self.stage = args, accelerator, stage
+    def __init__(self, config: TrainConfig, accelerator, stage: Stage, topology, deepspeed, document_split):
+        self.config, self.accelerator, self.stage = config, accelerator, stage
         self.topology = topology  # easy_context.core.groups.Topology
         self.deepspeed = deepspeed  # accelerate's DeepSpeed plugin, None without DeepSpeed
         self.document_split = document_split  # None, True or "workload" (--balance-documents)
@@ -47,25 +48,28 @@ class Run:
         return self.topology.dp_size
 
 
-def set_up_run(args, accelerator, stage: Stage) -> Run:
+def set_up_run(config: TrainConfig, accelerator, stage: Stage) -> Run:
     """The seed, and the parallel layout of this many processes; what cannot run is refused."""
     from accelerate.utils import set_seed
 
     world = accelerator.num_processes
-    set_seed(args.seed)
-    mode = get_mode(args.parallel_mode)
+    set_seed(config.data.seed)
+    mode = get_mode(config.parallelism.parallel_mode)
     try:
-        topology = mode.topology(world, args.sp_size, args.ring_degree)
-        mode.layout(topology).check_length(args.seq_length)
+        topology = mode.topology(world, config.parallelism.sp_size, config.parallelism.ring_degree)
+        mode.layout(topology).check_length(config.data.seq_length)
     except ValueError as error:
-        fail(f"{error} (--parallel_mode {args.parallel_mode}, {world} processes, --seq-length {args.seq_length})")
+        fail(
+            f"{error} (--parallel-mode {config.parallelism.parallel_mode}, {world} processes, "
+            f"--seq-length {config.data.seq_length})"
+        )
     if mode.sequence_parallel:
         try:
-            check_accelerate_parallelism(accelerator, args.parallel_mode)
+            check_accelerate_parallelism(accelerator, config.parallelism.parallel_mode)
         except ValueError as error:
             fail(str(error))
     deepspeed = accelerator.state.deepspeed_plugin
-    if deepspeed is not None and args.skip_nonfinite_steps:
+    if deepspeed is not None and config.optimisation.skip_nonfinite_steps:
         # accelerate's DeepSpeed wrapper steps the engine inside backward at the accumulation
         # boundary, and the engine's gradients cannot be zeroed from here: a step cannot be
         # dropped once some of its micro-batches went backward. (Stopping needs neither.)
@@ -73,13 +77,17 @@ def set_up_run(args, accelerator, stage: Stage) -> Run:
             "--skip-nonfinite-steps is not supported under DeepSpeed; without it, training stops at a non-finite loss "
             "after saving a checkpoint of the last good step"
         )
-    if deepspeed is not None and args.compile:
+    if deepspeed is not None and config.memory.compile:
         fail("--compile is not supported under DeepSpeed (its engine wraps the model); drop --compile")
-    if refusal := fsdp.refusal(args, accelerator):
+    if refusal := fsdp.refusal(config.parallelism.fsdp, accelerator):
         fail(refusal)
     # --balance-documents: a layout per row (document_split); Ulysses alone is balanced already.
-    split = {None: None, "cut": True, "workload": "workload"}[args.balance_documents] if mode.document_split else None
-    return Run(args, accelerator, stage, topology, deepspeed, split)
+    split = (
+        {None: None, "cut": True, "workload": "workload"}[config.data.balance_documents]
+        if mode.document_split
+        else None
+    )
+    return Run(config, accelerator, stage, topology, deepspeed, split)
 
 
 def resume_run(run: Run, checkpoints: Checkpoints) -> tuple[int, int, bool]:
@@ -87,7 +95,7 @@ def resume_run(run: Run, checkpoints: Checkpoints) -> tuple[int, int, bool]:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restarts of this job
     try:
         run.stage.at("finding the checkpoint to resume")
-        path = checkpoints.find(run.args.resume_from_checkpoint)
+        path = checkpoints.find(run.config.checkpoints.resume_from_checkpoint)
         if path is None:
             if attempt:
                 run.accelerator.print(f"restart {attempt}: no checkpoint to resume, starting at step 0")

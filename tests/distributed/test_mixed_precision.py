@@ -149,7 +149,7 @@ def train_py(tmp_path, mode):
         "--nproc_per_node=2",
         str(ROOT / "train.py"),
         "--from-scratch",
-        "--parallel_mode",
+        "--parallel-mode",
         mode,
         "--max-train-steps",
         "2",

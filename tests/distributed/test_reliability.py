@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--from-scratch", "--seq-length", "256", "--max-rows", "16", "--log-with", "none"]
-SMALL += ["--parallel_mode", "zigzag_ring_attn"]
+SMALL += ["--parallel-mode", "zigzag_ring_attn"]
 
 
 def torchrun(out, *flags, fault=None, timeout=240):

@@ -110,7 +110,7 @@ def test_eval_ppl_parallel_equals_single_process(tmp_path, saved_model):
         "--hide-progress",
     ]
     single, parallel = tmp_path / "single.csv", tmp_path / "parallel.csv"
-    ok(run_script("eval_ppl.py", *flags, "--parallel_mode", "data_parallel", "--output-file", str(single)))
+    ok(run_script("eval_ppl.py", *flags, "--parallel-mode", "data_parallel", "--output-file", str(single)))
     out = ok(run_script("eval_ppl.py", *flags, "--output-file", str(parallel), processes=2)).stdout
     rows = {name: read_csv(path, csv.reader) for name, path in (("single", single), ("parallel", parallel))}
     assert rows["single"][0] == rows["parallel"][0] == ["model", "99", "198", "396"]  # 99, 198: padded for zigzag x2
@@ -173,7 +173,7 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
     ]
     ok(
         run_script(
-            "eval_needle.py", *flags, "--parallel_mode", "data_parallel", "--output_dir", str(tmp_path / "single")
+            "eval_needle.py", *flags, "--parallel-mode", "data_parallel", "--output_dir", str(tmp_path / "single")
         )
     )
     out = ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "parallel"), processes=2)).stdout
@@ -424,9 +424,9 @@ def test_generate_script_parallel_equals_single_process(tmp_path, saved_model):
     prompt.write_text("The special magic number is 4821. " * 12 + "What is the special magic number? It is")
     flags = ["--model", str(saved_model), "--prompt_file", str(prompt), "--max_new_tokens", "24"]
     for extra in ([], ["--do_sample", "--temperature", "1.5", "--seed", "7"]):
-        single = ok(run_script("tools.generate", *flags, *extra, "--parallel_mode", "data_parallel"))
+        single = ok(run_script("tools.generate", *flags, *extra, "--parallel-mode", "data_parallel"))
         for mode in ("zigzag_ring_attn", "ulysses_attn"):
-            parallel = ok(run_script("tools.generate", *flags, *extra, "--parallel_mode", mode, processes=2))
+            parallel = ok(run_script("tools.generate", *flags, *extra, "--parallel-mode", mode, processes=2))
             assert parallel.stdout == single.stdout and parallel.stdout.strip(), (extra, mode)
             assert f"{mode} over 2 process(es)" in parallel.stderr and "K/V cache on this rank" in parallel.stderr
     missing = run_script("tools.generate", "--model", str(saved_model), "--prompt_file", str(tmp_path / "none.txt"))

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 LORA = ["--lora-r", "4", "--max-train-steps", "3", "--learning-rate", "1e-2"]
 MODES = {
-    "zigzag": ["--parallel_mode", "zigzag_ring_attn", "--activation-checkpointing"],  # LoRA's usual companion
-    "dist_flash": ["--parallel_mode", "dist_flash_attn"],
-    "ulysses": ["--parallel_mode", "ulysses_attn"],
-    "usp": ["--parallel_mode", "usp_attn", "--ring_degree", "2"],
+    "zigzag": ["--parallel-mode", "zigzag_ring_attn", "--activation-checkpointing"],  # LoRA's usual companion
+    "dist_flash": ["--parallel-mode", "dist_flash_attn"],
+    "ulysses": ["--parallel-mode", "ulysses_attn"],
+    "usp": ["--parallel-mode", "usp_attn", "--ring-degree", "2"],
 }
 
 
@@ -38,7 +38,7 @@ def test_lora_trains_like_one_process_in_every_mode_and_the_evals_load_the_adapt
     base = tmp_path / "base"
     tiny_model("llama", vocab_size=BYTE_EOS_ID + 1, initializer_range=0.1).save_pretrained(base)
     byte_tokenizer().save_pretrained(base)
-    want, reference = train(tmp_path, "dp", 1, "--model", str(base), "--parallel_mode", "data_parallel", *LORA)
+    want, reference = train(tmp_path, "dp", 1, "--model", str(base), "--parallel-mode", "data_parallel", *LORA)
     assert not (reference / "model.safetensors").exists() and (reference / "adapter_config.json").is_file()
     assert json.loads((reference / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
     want_weights = _adapter(reference)

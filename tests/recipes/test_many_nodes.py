@@ -1,5 +1,5 @@
 """Two nodes simulated on one machine: two torchrun agents (--nnodes 2, --node_rank 0/1, two
-processes each) on 127.0.0.1 run train.py under usp_attn without --ring_degree. The default
+processes each) on 127.0.0.1 run train.py under usp_attn without --ring-degree. The default
 split must follow the nodes (Ulysses over the two ranks of a node, the ring across the nodes)
 and the run must be exact against one process."""
 
@@ -67,9 +67,9 @@ def two_nodes(out, *flags, timeout=300):
 
 @pytest.mark.timeout(420)
 def test_two_simulated_nodes_split_usp_by_node_and_train_exactly(tmp_path):
-    want, single = train(tmp_path, "one", 1, "--parallel_mode", "data_parallel", *STEPS)
+    want, single = train(tmp_path, "one", 1, "--parallel-mode", "data_parallel", *STEPS)
     out = tmp_path / "nodes"
-    results = two_nodes(out, "--parallel_mode", "usp_attn", *STEPS)
+    results = two_nodes(out, "--parallel-mode", "usp_attn", *STEPS)
     for code, stderr in results:
         assert code == 0, stderr[-3000:]
 

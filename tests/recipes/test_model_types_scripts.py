@@ -11,13 +11,13 @@ MODES = ["zigzag_ring_attn", "ulysses_attn", "dist_flash_attn"]  # one mode of e
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py
 
 SCRIPT_RUNS = {
-    "gemma2": ["--parallel_mode", "zigzag_ring_attn"],
-    "gpt_oss": ["--parallel_mode", "dist_flash_attn", "--activation-checkpointing"],
-    "deepseek_v3": ["--parallel_mode", "ulysses_attn"],
+    "gemma2": ["--parallel-mode", "zigzag_ring_attn"],
+    "gpt_oss": ["--parallel-mode", "dist_flash_attn", "--activation-checkpointing"],
+    "deepseek_v3": ["--parallel-mode", "ulysses_attn"],
     # hybrids: Gated DeltaNet by state passing in the zigzag layout under FSDP2, Mamba-2 by head
     # exchange with LoRA adapters (on the attention layers' q, k, v, o)
-    "qwen3_next": ["--parallel_mode", "zigzag_ring_attn", "--mixer-strategy", "state_passing", "--fsdp"],
-    "nemotron_h": ["--parallel_mode", "ulysses_attn", "--mixer-strategy", "head_exchange", "--lora-r", "4"],
+    "qwen3_next": ["--parallel-mode", "zigzag_ring_attn", "--mixer-strategy", "state_passing", "--fsdp"],
+    "nemotron_h": ["--parallel-mode", "ulysses_attn", "--mixer-strategy", "head_exchange", "--lora-r", "4"],
 }
 # flags of a run that the one-process reference runs with too
 SHARED = {"--lora-r"}
@@ -52,7 +52,7 @@ def test_train_py_trains_any_supported_type_like_data_parallel(tmp_path, model_t
     steps = ["--model", str(model), "--max-train-steps", "2"]
     flags = SCRIPT_RUNS[model_type]
     shared = [x for i, flag in enumerate(flags) if flag in SHARED for x in flags[i : i + 2]]
-    want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps, *shared)
+    want, _ = train(tmp_path, "dp", 1, "--parallel-mode", "data_parallel", *steps, *shared)
     got, _ = train(tmp_path, "parallel", 2, *SCRIPT_RUNS[model_type], *steps)
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
@@ -66,10 +66,10 @@ def test_eval_ppl_runs_gemma2_exactly(tmp_path):
     model = saved_tiny_model(tmp_path / "model", "gemma2")
     flags = ["--model", str(model), "--min-tokens", "128", "--max-tokens", "256", "--samples", "1", "--hide-progress"]
     single, parallel = tmp_path / "single.csv", tmp_path / "parallel.csv"
-    ok(run_script("eval_ppl.py", *flags, "--parallel_mode", "data_parallel", "--output-file", str(single)))
+    ok(run_script("eval_ppl.py", *flags, "--parallel-mode", "data_parallel", "--output-file", str(single)))
     ok(
         run_script(
-            "eval_ppl.py", *flags, "--parallel_mode", "ulysses_attn", "--output-file", str(parallel), processes=2
+            "eval_ppl.py", *flags, "--parallel-mode", "ulysses_attn", "--output-file", str(parallel), processes=2
         )
     )
     got, want = ([float(x) for x in read_csv(p, csv.reader)[1][1:]] for p in (parallel, single))
@@ -98,14 +98,14 @@ def test_eval_needle_runs_gpt_oss_exactly(tmp_path):
     ]
     ok(
         run_script(
-            "eval_needle.py", *flags, "--parallel_mode", "data_parallel", "--output_dir", str(tmp_path / "single")
+            "eval_needle.py", *flags, "--parallel-mode", "data_parallel", "--output_dir", str(tmp_path / "single")
         )
     )
     ok(
         run_script(
             "eval_needle.py",
             *flags,
-            "--parallel_mode",
+            "--parallel-mode",
             "dist_flash_attn",
             "--output_dir",
             str(tmp_path / "parallel"),

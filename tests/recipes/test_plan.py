@@ -37,7 +37,7 @@ def test_cli_table_and_json_agree():
     assert out.returncode == 0, out.stderr
     header, *rows = table_rows(out.stdout)
     assert header == P.COLUMNS and len(rows) == 12
-    assert "recommended:" in out.stdout and "--parallel_mode" in out.stdout
+    assert "recommended:" in out.stdout and "--parallel-mode" in out.stdout
     js = cli(*args, "--json")
     assert js.returncode == 0, js.stderr
     data = json.loads(js.stdout)

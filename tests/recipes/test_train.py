@@ -48,14 +48,14 @@ def train(tmp_path, name, processes, *flags, timeout=240, env=None):
 @pytest.mark.timeout(600)
 def test_every_mode_and_the_memory_options_train_like_data_parallel(tmp_path):
     steps = ["--max-train-steps", "4", "--gradient-accumulate-every", "2"]
-    want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps)
+    want, _ = train(tmp_path, "dp", 1, "--parallel-mode", "data_parallel", *steps)
     runs = {
-        "zigzag": ["--parallel_mode", "zigzag_ring_attn"],
-        "ulysses": ["--parallel_mode", "ulysses_attn"],
+        "zigzag": ["--parallel-mode", "zigzag_ring_attn"],
+        "ulysses": ["--parallel-mode", "ulysses_attn"],
         # the same shape named by its config: --from-config trains exactly as --from-scratch did
-        "dist_flash": ["--parallel_mode", "dist_flash_attn", "--from-config", "configs/tiny-llama/config.json"],
+        "dist_flash": ["--parallel-mode", "dist_flash_attn", "--from-config", "configs/tiny-llama/config.json"],
         "zigzag+memory": [
-            "--parallel_mode",
+            "--parallel-mode",
             "zigzag_ring_attn",
             "--activation-checkpointing",
             "--tiled-mlp",
@@ -74,7 +74,7 @@ def test_every_mode_and_the_memory_options_train_like_data_parallel(tmp_path):
         tmp_path,
         "bf16+sgd",
         2,
-        "--parallel_mode",
+        "--parallel-mode",
         "zigzag_ring_attn",
         "--param-dtype",
         "bf16",
@@ -161,7 +161,7 @@ def test_bad_inputs_get_clear_messages(tmp_path):
             ["--dataset", str(no_ids), "--retrieval-fraction", "0.2"],
             "--retrieval-fraction applies to the embedded corpus",
         ),
-        (["--parallel_mode", "zigzag_ring_attn", "--ring_degree", "2"], "--ring_degree applies to usp_attn only"),
+        (["--parallel-mode", "zigzag_ring_attn", "--ring-degree", "2"], "--ring-degree applies to usp_attn only"),
         (["--learning-rate", "0"], "--learning-rate must be > 0"),
         (["--offload-checkpoints"], "--offload-checkpoints needs --activation-checkpointing"),
         (["--resume-from-checkpoint", str(tmp_path)], "not a checkpoint folder"),
@@ -187,13 +187,13 @@ def test_document_masking_trains_like_data_parallel(tmp_path):
     data = tmp_path / "documents.jsonl"
     data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
     steps = ["--max-train-steps", "3", "--dataset", str(data), "--document-masking"]
-    want, _ = train(tmp_path, "dp", 1, "--parallel_mode", "data_parallel", *steps)
-    unmasked, _ = train(tmp_path, "dp-unmasked", 1, "--parallel_mode", "data_parallel", *steps[:-1])
+    want, _ = train(tmp_path, "dp", 1, "--parallel-mode", "data_parallel", *steps)
+    unmasked, _ = train(tmp_path, "dp-unmasked", 1, "--parallel-mode", "data_parallel", *steps[:-1])
     assert max(abs(a - b) for a, b in zip(want, unmasked)) > 1e-4  # the rows do hold documents
-    runs = {mode: ["--parallel_mode", mode] for mode in ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn")}
-    runs["zigzag+balance"] = ["--parallel_mode", "zigzag_ring_attn", "--balance-documents"]  # document_split
+    runs = {mode: ["--parallel-mode", mode] for mode in ("zigzag_ring_attn", "dist_flash_attn", "ulysses_attn")}
+    runs["zigzag+balance"] = ["--parallel-mode", "zigzag_ring_attn", "--balance-documents"]  # document_split
     # document_split="workload": documents whole on one rank, the longest cut
-    runs["dist_flash+balance"] = ["--parallel_mode", "dist_flash_attn", "--balance-documents", "workload"]
+    runs["dist_flash+balance"] = ["--parallel-mode", "dist_flash_attn", "--balance-documents", "workload"]
     for name, flags in runs.items():
         got, _ = train(tmp_path, name, 2, *flags, *steps)
         assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, got, want)

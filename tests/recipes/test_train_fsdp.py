@@ -24,15 +24,15 @@ def _differences(got_run, want_run):
 
 @pytest.mark.timeout(900)
 def test_every_mode_under_fsdp_trains_like_one_process(tmp_path):
-    want = train(tmp_path, "one-process", 1, "--parallel_mode", "data_parallel", *STEPS)
+    want = train(tmp_path, "one-process", 1, "--parallel-mode", "data_parallel", *STEPS)
     runs = {
-        "zigzag": ["--parallel_mode", "zigzag_ring_attn", "--checkpointing-steps", "2"],
-        "ulysses": ["--parallel_mode", "ulysses_attn"],
+        "zigzag": ["--parallel-mode", "zigzag_ring_attn", "--checkpointing-steps", "2"],
+        "ulysses": ["--parallel-mode", "ulysses_attn"],
         # MLPs over tiles and the loss over chunks, each under checkpointing inside the FSDP units
         "usp+tiles": [
-            "--parallel_mode",
+            "--parallel-mode",
             "usp_attn",
-            "--ring_degree",
+            "--ring-degree",
             "2",
             "--tiled-mlp",
             "48",
@@ -41,7 +41,7 @@ def test_every_mode_under_fsdp_trains_like_one_process(tmp_path):
         ],
         # with checkpointing (dist_flash's recompute-free backward) and the offload policy
         "dist_flash+checkpointing+offload": [
-            "--parallel_mode",
+            "--parallel-mode",
             "dist_flash_attn",
             "--activation-checkpointing",
             "--fsdp-offload",
@@ -60,7 +60,7 @@ def test_every_mode_under_fsdp_trains_like_one_process(tmp_path):
         tmp_path,
         "one-process-skip",
         1,
-        "--parallel_mode",
+        "--parallel-mode",
         "data_parallel",
         *STEPS,
         *skip,
@@ -72,7 +72,7 @@ def test_every_mode_under_fsdp_trains_like_one_process(tmp_path):
         "resumed-skip",
         2,
         "--fsdp",
-        "--parallel_mode",
+        "--parallel-mode",
         "zigzag_ring_attn",
         *STEPS,
         *skip,
@@ -92,8 +92,8 @@ def test_every_mode_under_fsdp_trains_like_one_process(tmp_path):
 def test_sp2_by_dp_shard2_under_fsdp_trains_like_one_process(tmp_path):
     """World 4: two data-parallel groups of two sequence-parallel ranks, all four one FSDP shard
     group; one process reads both groups' rows as a batch of 2."""
-    want = train(tmp_path, "one-process", 1, "--parallel_mode", "data_parallel", "--batch-size", "2", *STEPS)
-    got = train(tmp_path, "sp2-dp2", 4, "--fsdp", "--parallel_mode", "zigzag_ring_attn", "--sp-size", "2", *STEPS)
+    want = train(tmp_path, "one-process", 1, "--parallel-mode", "data_parallel", "--batch-size", "2", *STEPS)
+    got = train(tmp_path, "sp2-dp2", 4, "--fsdp", "--parallel-mode", "zigzag_ring_attn", "--sp-size", "2", *STEPS)
     loss, weights = _differences(got, want)
     print(f"world 4, sp 2 x dp 2: loss difference {loss:.1e}, weight difference {weights:.1e}")
     assert loss <= LOSS_TOL and weights <= WEIGHT_TOL, (loss, weights)

@@ -123,10 +123,12 @@ def _runs(mask: torch.Tensor) -> list[slice]:
 def test_train_py_default_job_extends_the_shipped_base():
     import train
 
-    args = train.parse_args([])
-    assert (Path(args.model), args.rope_theta, args.learning_rate, args.max_train_steps) == (BASE, 160000.0, 3e-4, 300)
-    assert args.seq_length == 2048 and args.parallel_mode == "zigzag_ring_attn"
-    scratch = train.parse_args(["--from-scratch"])
-    assert (scratch.model, scratch.rope_theta, scratch.learning_rate, scratch.max_train_steps) == (None, None, 1e-3, 60)
-    other = train.parse_args(["--model", "some/model"])
-    assert (other.rope_theta, other.learning_rate, other.max_train_steps) == (None, 1e-3, 60)
+    def job(config):
+        model, optimisation = config.model, config.optimisation
+        return model.model, model.rope_theta, optimisation.learning_rate, optimisation.max_train_steps
+
+    config = train.parse_args([])
+    assert (Path(config.model.model), *job(config)[1:]) == (BASE, 160000.0, 3e-4, 300)
+    assert config.data.seq_length == 2048 and config.parallelism.parallel_mode == "zigzag_ring_attn"
+    assert job(train.parse_args(["--from-scratch"])) == (None, None, 1e-3, 60)
+    assert job(train.parse_args(["--model", "some/model"]))[1:] == (None, 1e-3, 60)

@@ -1,17 +1,22 @@
-"""train.py's flag checks (recipes/training/flags.py): at_least, optional_at_least and needs, each
-at its edges, and every declared flag that uses one of them wired into train.py's parser. The
-wired flags are read from the declarations themselves (the factory that made each check, and its
-bound or the flag it needs), so a check declared later is covered without touching this file.
-One process, no script: train.parse_args is called directly."""
+"""train.py's setting checks (recipes/configuration.py, declared in recipes/training/config.py):
+at_least, optional_at_least and needs, each at its edges, and every field that uses one of them
+wired into train.py's parser. The wired flags are read from the fields themselves (the factory
+that made each check, and its bound or the flag it needs), so a check declared later is covered
+without touching this file. Also: --help and the docs' table come from the same fields, and an
+old spelling works with a warning. One process, no script: train.parse_args is called directly."""
 
 import argparse
+import dataclasses
 import inspect
+import re
 import sys
+import types
 
 import pytest
 
 import train
-from recipes.training import flag_declaration, flags
+from recipes import configuration as flag_declaration
+from recipes.training import config as flags
 
 FACTORIES = ("at_least", "optional_at_least", "needs")
 
@@ -19,11 +24,13 @@ FACTORIES = ("at_least", "optional_at_least", "needs")
 def _checked_flags():
     """(declaration, factory name, the factory's arguments) of each flag whose check one of FACTORIES made."""
     found = []
-    for group in flags.GROUPS:
-        for declared in group.flags:
-            factory = getattr(declared.check, "__qualname__", "").split(".<locals>")[0]
+    for section in flags.SECTIONS.values():
+        for field in dataclasses.fields(section):
+            check = field.metadata["check"]
+            factory = getattr(check, "__qualname__", "").split(".<locals>")[0]
             if factory in FACTORIES:
-                found.append((declared, factory, inspect.getclosurevars(declared.check).nonlocals))
+                declared = types.SimpleNamespace(name=flag_declaration.flag_of(field.name))
+                found.append((declared, factory, inspect.getclosurevars(check).nonlocals))
     return found
 
 
@@ -87,7 +94,7 @@ def _error(argv, capsys) -> str | None:
 
 def test_the_declarations_use_every_factory_and_the_defaults_pass():
     assert {factory for _, factory, _ in CHECKED} == set(FACTORIES), CHECKED
-    assert train.parse_args([]).seq_length == 2048  # nothing given: every check passes
+    assert train.parse_args([]).data.seq_length == 2048  # nothing given: every check passes
 
 
 @pytest.mark.parametrize("declared, factory, arguments", CHECKED, ids=[declared.name for declared, _, _ in CHECKED])
@@ -108,3 +115,34 @@ def test_each_declared_check_refuses_its_flag_in_train_py(declared, factory, arg
         assert error is not None and f"{name} must be >= {bound}, got {bound - 1}" in error, (name, bound, error)
         error = _error([f"{name}={bound}"], capsys)
         assert error is None or f"{name} must be" not in error, (name, bound, error)
+
+
+# ------------------------------------------------------------------- one source for flags and docs
+def test_help_lists_every_field_once_grouped_by_section(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for title, section in flags.SECTIONS.items():
+        block = text.split(f"\n{section.title}:\n", 1)[1].split("\n\n", 1)[0]
+        for field in dataclasses.fields(section):
+            flag = flag_declaration.flag_of(field.name)
+            assert len(re.findall(rf"^  {flag}[ ,\n]", block + "\n", flags=re.M)) == 1, (title, field.name)
+
+
+def test_the_docs_flag_table_is_generated_from_the_fields():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "train-py.md").read_text()
+    block = page.split("<!-- flags:begin -->\n", 1)[1].split("\n<!-- flags:end -->", 1)[0]
+    assert block == flag_declaration.flag_table(flags.SECTIONS), "run: python -m recipes.training.config --table"
+
+
+def test_an_old_spelling_works_and_warns(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    config = train.parse_args(["--parallel_mode", "ulysses_attn"])
+    assert config.parallelism.parallel_mode == "ulysses_attn"
+    err = capsys.readouterr().err
+    assert "warning: --parallel_mode is now --parallel-mode" in err and flag_declaration.ALIASES_REMOVED in err
+    assert train.parse_args(["--parallel-mode", "ulysses_attn"]).parallelism.parallel_mode == "ulysses_attn"
+    assert "warning" not in capsys.readouterr().err

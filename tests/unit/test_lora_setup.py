@@ -153,14 +153,14 @@ def test_train_py_refuses_bad_lora_flags(capsys):
             train.parse_args(flags)
         err = capsys.readouterr().err
         assert caught.value.code == 2 and all(m in err for m in messages), (flags, err)
-    args = train.parse_args(["--lora-r", "4"])  # no --model: the adapters go on the shipped demo base
-    assert args.model == str(train.DEMO_BASE) and args.lora_r == 4
+    config = train.parse_args(["--lora-r", "4"])  # no --model: the adapters go on the shipped demo base
+    assert config.model.model == str(train.DEMO_BASE) and config.model.lora_r == 4
 
 
 def test_train_py_refuses_accelerate_context_parallelism_and_an_adapter_as_the_model(tmp_path, capsys):
     import train
 
-    args = train.parse_args(["--parallel_mode", "zigzag_ring_attn", "--output-dir", str(tmp_path)])
+    args = train.parse_args(["--parallel-mode", "zigzag_ring_attn", "--output-dir", str(tmp_path)])
     accelerator = _accelerator(cp_size=2)
     accelerator.num_processes = 1
     with pytest.raises(SystemExit) as caught:
@@ -172,9 +172,9 @@ def test_train_py_refuses_accelerate_context_parallelism_and_an_adapter_as_the_m
     trained = add_lora(tiny_model("llama"), 4)
     trained.peft_config["default"].base_model_name_or_path = "some/base"
     trained.save_pretrained(adapter)
-    args = train.parse_args(["--model", str(adapter), "--output-dir", str(tmp_path)])
+    config = train.parse_args(["--model", str(adapter), "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as caught:
-        train.load_model(args, torch.float32, torch.device("cpu"))
+        train.load_model(config.model, config.memory, config.data.seed, torch.float32, torch.device("cpu"))
     err = capsys.readouterr().err
     assert caught.value.code == 2 and "holds a LoRA adapter, not a model: pass its base (some/base)" in err
 

@@ -70,7 +70,7 @@ def test_python_m_old_planner_path_runs_the_new_package():
     assert importlib.util.find_spec("recipes.plan.__main__") is not None
 
 
-@pytest.mark.parametrize("old", ["programs", "programs.launch", "programs.training.flags", "programs.plan"])
+@pytest.mark.parametrize("old", ["programs", "programs.launch", "programs.training.config", "programs.plan"])
 def test_the_programs_package_is_the_recipes_package(old):
     # easy_context.programs moved out of the library: every module under it is recipes.<same>
     new = importlib.import_module("recipes" + old[len("programs") :])

@@ -110,7 +110,7 @@ def test_flags_render_the_fsdp_launch():
     for setting, flags in (("fsdp2", "--fsdp"), ("fsdp2-offload", "--fsdp --fsdp-offload")):
         result = P.plan(tiny, 8192, 2, cpu, zero_choices=[setting])
         line = P.flags_of(result["recommendation"], 8192)
-        assert f" {flags}   [FSDP2: train.py {flags}]" in line and line.startswith("--parallel_mode")
+        assert f" {flags}   [FSDP2: train.py {flags}]" in line and line.startswith("--parallel-mode")
     ddp = P.plan(tiny, 8192, 2, cpu, zero_choices=["none"])["recommendation"]
     assert "--fsdp" not in P.flags_of(ddp, 8192) and P.flags_of(ddp, 8192).endswith(
         "[DDP: no DeepSpeed config, no FSDP]"

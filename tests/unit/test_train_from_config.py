@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from recipes.training import flags, sources
+from recipes.training import sources
+from recipes.training.config import parse_config
 from recipes.training.model import build_optimizer, load_model
 
 
@@ -25,22 +26,24 @@ def test_the_8b_preset_is_llama_3_1_8b_and_builds_on_the_meta_device():
 
 
 def test_a_tiny_config_in_bf16_with_sgd_builds_where_it_runs():
-    args = flags.parse_args(["--from-config", "tiny-llama", "--param-dtype", "bf16", "--optimizer", "sgd", "--no-save"])
-    assert (args.model, args.learning_rate, args.max_train_steps, args.no_save) == (None, 1e-3, 60, True)
-    model, tokenizer = load_model(args, torch.bfloat16, torch.device("cpu"))
+    config = parse_config(["--from-config", "tiny-llama", "--param-dtype", "bf16", "--optimizer", "sgd", "--no-save"])
+    optimisation = config.optimisation
+    assert config.model.model is None and config.checkpoints.no_save
+    assert (optimisation.learning_rate, optimisation.max_train_steps) == (1e-3, 60)
+    model, tokenizer = load_model(config.model, config.memory, config.data.seed, torch.bfloat16, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config.num_hidden_layers == 4 and len(tokenizer) <= model.config.vocab_size
-    run = types.SimpleNamespace(args=args, deepspeed=None, world=1)
+    run = types.SimpleNamespace(config=config, deepspeed=None, world=1)
     optimizer, _ = build_optimizer(run, model)
     assert type(optimizer) is torch.optim.SGD
 
 
 def test_from_config_weights_are_from_scratch_weights():
-    scratch = flags.parse_args(["--from-scratch"])
-    named = flags.parse_args(["--from-config", str(sources.SCRATCH_CONFIG / "config.json")])
-    assert scratch.from_config == str(sources.SCRATCH_CONFIG)
-    a, _ = load_model(scratch, torch.float32, torch.device("cpu"))
-    b, _ = load_model(named, torch.float32, torch.device("cpu"))
+    scratch = parse_config(["--from-scratch"])
+    named = parse_config(["--from-config", str(sources.SCRATCH_CONFIG / "config.json")])
+    assert scratch.model.from_config == str(sources.SCRATCH_CONFIG)
+    a, _ = load_model(scratch.model, scratch.memory, scratch.data.seed, torch.float32, torch.device("cpu"))
+    b, _ = load_model(named.model, named.memory, named.data.seed, torch.float32, torch.device("cpu"))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
@@ -56,5 +59,5 @@ def test_from_config_weights_are_from_scratch_weights():
 )
 def test_bad_from_config_flags_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
-        flags.parse_args(argv)
+        parse_config(argv)
     assert stopped.value.code == 2 and message in capsys.readouterr().err
