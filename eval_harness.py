@@ -1,5 +1,5 @@
 """lm-evaluation-harness with a sequence-parallel model: lm-eval's own command line, with the
-model `easy_context` registered (recipes/harness.py) and the offline RULER-style tasks
+model `easy_context` registered (recipes/lm_eval_model.py) and the offline RULER-style tasks
 (`ec_ruler`, `ec_ruler_<task>`: recipes/ruler.py) on its task path.
 
     # CPU, 2 processes, one SP group: the offline suite on the model train.py saves
@@ -29,10 +29,10 @@ def main(argv: list[str]) -> None:
         sys.exit('eval_harness.py: lm-eval is not installed; pip install -e ".[eval-harness]"')
     from lm_eval.__main__ import cli_evaluate
 
-    from recipes import harness
+    from recipes import lm_eval_model
     from recipes.ruler_tasks import TASKS_DIR
 
-    harness.register()  # --model easy_context
+    lm_eval_model.register()  # --model easy_context
 
     if not any(arg == "--include_path" or arg.startswith("--include_path=") for arg in argv):
         argv = [*argv, "--include_path", str(TASKS_DIR)]

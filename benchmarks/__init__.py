@@ -1,2 +1,2 @@
 """The benchmarks, run from the repository root as `python -m benchmarks.NAME` (see
-docs/benchmarks.md); benchmarks.harness holds what they share."""
+docs/benchmarks.md); benchmarks.common holds what they share."""

@@ -1,5 +1,5 @@
 """Names and sizes bench_attention's driver and ranks share, and the light import of
-easy_context's modes the ranks use. No torch here (see benchmarks.harness)."""
+easy_context's modes the ranks use. No torch here (see benchmarks.common)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import time
 
 from benchmarks.attention_config import CPU_CORES
 from benchmarks.attention_rank import worker
-from benchmarks.harness import busy_cpu_seconds, start_ranks
+from benchmarks.common import busy_cpu_seconds, start_ranks
 
 
 def is_busy(res) -> bool:

@@ -1,7 +1,7 @@
 """One rank of bench_attention: builds the configuration's attention and this rank's inputs,
 times the steps, reads the memory peaks, and (with --check, and always for peers) compares
 with SDPA on the whole sequence. torch is imported inside the functions only (the driver
-imports this module for `worker`; see benchmarks.harness)."""
+imports this module for `worker`; see benchmarks.common)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from benchmarks import bench_peers
 from benchmarks.attention_comm import CommCounter
 from benchmarks.attention_config import BASELINE, CPU_CORES, DEEPSPEED, import_easy_context_modes
 from benchmarks.attention_masks import CAUSAL, dense_reference_mask, sequence_mask
-from benchmarks.harness import MiB, cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.common import MiB, cpu_seconds, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -117,7 +117,7 @@ def build_attention(torch, F, spec, dist, rank, world, scale, peer):
     groups = process_groups.get_groups(topology)
     layout = mode.layout(topology)
     layout.check_length(S)
-    # over the whole sequence, identical on every rank; its plans are built in the warm-up
+    # over the whole sequence, identical on every rank; its kernel calls are worked out in the warm-up
     seq_mask = sequence_mask(spec["mask"], S, B, spec["seed"])
 
     def attend(q, k, v):

@@ -10,7 +10,7 @@ from benchmarks.attention_comm import analytic_comm_bytes
 from benchmarks.attention_config import BASELINE, CPU_CORES
 from benchmarks.attention_group import is_busy
 from benchmarks.attention_masks import CAUSAL
-from benchmarks.harness import MiB, table_header, table_row, write_csv
+from benchmarks.common import MiB, table_header, table_row, write_csv
 
 
 def make_row(spec, P, res, base_time, args):

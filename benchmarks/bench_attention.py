@@ -38,8 +38,8 @@ batch row (1 for causal). A masked mode's row has no speed-up, efficiency or ana
 (those describe the causal algorithm against the causal baseline); instead, after the main
 table, a summary compares each masked row with the same mode's causal row at the same S and P:
 time ratio against the ideal ratio allowed_ratio, and the saving achieved (1 - time ratio)
-against the ideal saving (1 - allowed_ratio). The mask's kernel-call plan is built during the
-warm-up step (in a model one plan serves every layer), so it is not in the measured time.
+against the ideal saving (1 - allowed_ratio). The mask's kernel calls are worked out during
+the warm-up step (in a model they serve every layer), so it is not in the measured time.
 
 Every configuration runs in fresh processes (unless --shared-processes), so memory numbers
 do not leak between configurations. Measured per configuration:
@@ -89,7 +89,7 @@ from benchmarks.attention_config import BASELINE, CPU_CORES, DEEPSPEED, DTYPE_BY
 from benchmarks.attention_group import is_busy, run_group
 from benchmarks.attention_masks import CAUSAL, MASK_HELP, allowed_ratio, parse_mask
 from benchmarks.attention_report import make_row, rows_from_csv, write_outputs
-from benchmarks.harness import int_list, load_average, use_exact_memory, wait_for_idle
+from benchmarks.common import int_list, load_average, use_exact_memory, wait_for_idle
 
 SMOKE_MASKS = "causal,packed-64,long-tail,window-64"
 SMOKE_MASK_MODES = "zigzag_ring_attn,dist_flash_attn"

@@ -1,5 +1,5 @@
 """lm-eval requests at long context: lm-eval's own `hf` model in one process against the
-`easy_context` model (recipes/harness.py) on P ranks.
+`easy_context` model (recipes/lm_eval_model.py) on P ranks.
 
     python -m benchmarks.bench_eval --seq-lengths 8192,32768 --world-sizes 1,2,4 [--csv out.csv]
 
@@ -25,7 +25,7 @@ import os
 import tempfile
 import time
 
-from benchmarks.harness import (
+from benchmarks.common import (
     MiB,
     int_list,
     reset_peak_rss,
@@ -68,7 +68,7 @@ def _worker(rank, world, spec, workdir):
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]),
         )  # fmt: skip
-        from recipes.harness import SeqParallelLM
+        from recipes.lm_eval_model import SeqParallelLM
 
         lm = SeqParallelLM(pretrained=spec["model"], mode="zigzag_ring_attn", max_length=spec["length"] + 1)
     request = _request(spec["length"])

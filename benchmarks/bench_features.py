@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from benchmarks.harness import (
+from benchmarks.common import (
     init_gloo,
     peak_rss_bytes,
     reset_peak_rss,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_train import tiny_llama
-from benchmarks.harness import init_gloo, reset_peak_rss, spawn_ranks, status_bytes, write_csv, write_result
+from benchmarks.common import init_gloo, reset_peak_rss, spawn_ranks, status_bytes, write_csv, write_result
 
 
 def _model(vocab: int):

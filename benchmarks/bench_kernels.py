@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import write_json
+from benchmarks.common import write_json
 from easy_context.core import kernels
 from easy_context.core.groups import get_groups
 from easy_context.modes import get_mode

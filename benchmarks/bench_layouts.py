@@ -13,12 +13,12 @@ the row), packed into rows of --seq tokens; row i is the same in every cell. Lay
   workload   document_split="workload": documents whole on one rank, only the longest cut
 
 Each cell runs the mode's attention (forward + backward, gloo, CPU, one thread per rank; q, k,
-v of --heads / --kv-heads x --head-dim, fp32) on P ranks. The plans are built in a warm-up
-step and reused, as every layer of a training step reuses them.
+v of --heads / --kv-heads x --head-dim, fp32) on P ranks. The mask's kernel calls are worked
+out in a warm-up step and reused, as every layer of a training step reuses them.
 
   tokens/s   tokens of all rows / the sum over rows of the slowest rank's time (median of --steps)
   MiB/row    bytes the busiest rank sends per row through torch.distributed (forward + backward)
-  balance    max/min query x key products per rank, from the plans (worst row)
+  balance    max/min query x key products per rank, from the kernel calls (worst row)
   x cut      tokens/s and bytes over document_split's (cut) in the same run
 
 The data-parallel table composes measured row times into steps of dp 2 x sp 2: each row's time
@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.harness import init_gloo, run_to_end, table_header, table_row
+from benchmarks.common import init_gloo, run_to_end, table_header, table_row
 
 LAYOUTS = ("static", "cut", "workload")
 MODES = ("zigzag_ring_attn", "dist_flash_attn")
@@ -67,7 +67,7 @@ def _shares(layout: str, first_key, seq: int, size: int, zigzag: bool, tolerance
 
 def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict:
     """One row in one layout on this rank: the slowest rank's median step time and the busiest
-    rank's bytes, and the plans' work balance."""
+    rank's bytes, and the kernel calls' work balance."""
     import torch
     import torch.distributed as dist
 
@@ -99,7 +99,7 @@ def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict
             out = dist_flash_attention(q, k, v, scale, group, None, mask)
         out.backward(dout)
 
-    step()  # warm-up: builds the plans
+    step()  # warm-up: works out the kernel calls
     times, sent = [], []
     for _ in range(spec["steps"]):
         dist.barrier()

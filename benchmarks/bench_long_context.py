@@ -177,7 +177,7 @@ def _reset_peaks(device):
         if reset is not None:
             reset()
     else:
-        from benchmarks.harness import reset_peak_rss
+        from benchmarks.common import reset_peak_rss
 
         reset_peak_rss()
 
@@ -185,7 +185,7 @@ def _reset_peaks(device):
 def _peak_bytes(device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    from benchmarks.harness import peak_rss_bytes
+    from benchmarks.common import peak_rss_bytes
 
     return peak_rss_bytes()  # the process's peak: on a CPU the device's memory is the host's
 

@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.harness import (
+from benchmarks.common import (
     init_gloo,
     int_list,
     reset_peak_rss,

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import int_list, table_header, table_row, use_exact_memory, write_csv
+from benchmarks.common import int_list, table_header, table_row, use_exact_memory, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (
+from benchmarks.common import (
     init_gloo,
     memory_total_gib,
     reset_peak_rss,

@@ -280,7 +280,7 @@ def _rank_entry(rank, world, spec, workdir):
 
 def run_mode(spec, world: int = 2) -> list[dict]:
     """Every rank's counts (rank order)."""
-    from benchmarks.harness import run_to_end
+    from benchmarks.common import run_to_end
 
     with tempfile.TemporaryDirectory() as workdir:
         run_to_end(_rank_entry, world, (spec, workdir), 1800, spec["mode"])

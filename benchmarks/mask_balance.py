@@ -1,6 +1,6 @@
 """Work balance under packed documents: query x key products each rank's kernel calls compute
-(causal square n(n+1)/2, rectangle nq*nk, masked tile nq*nk), from the same plans the
-attention runs. No processes, no timing: the plans are pure functions of the mask.
+(causal square n(n+1)/2, rectangle nq*nk, masked tile nq*nk), from the same kernel
+calls the attention runs. No processes, no timing: they are pure functions of the mask.
 
     python -m benchmarks.mask_balance                      # S=16K, long-tailed mix, P=2 and 4
     python -m benchmarks.mask_balance --seq 32768 --seeds 20
@@ -20,8 +20,8 @@ import torch
 from easy_context.core.balance import split_documents
 from easy_context.core.layout import Layout, RowLayout
 from easy_context.core.masking import SequenceMask
-from easy_context.core.ring import RingRounds, masked_ring_plan
-from easy_context.modes.dist_flash_attn import DistFlashPlan, balanced_schedule, split_rows
+from easy_context.core.ring import RingSchedule, masked_ring_steps
+from easy_context.modes.dist_flash_attn import DistFlashSchedule, balanced_schedule, split_rows
 
 
 def long_tailed_lengths(
@@ -72,28 +72,28 @@ def dist_flash_work(mask: SequenceMask, seq: int, size: int, index=None) -> list
     return work
 
 
-def plan_of(mode: str, mask: SequenceMask, seq: int, size: int, shares=None):
-    """The executor plan the mode runs for `mask` on `size` ranks: its static layout, or the
+def schedule_of(mode: str, mask: SequenceMask, seq: int, size: int, shares=None):
+    """The executor schedule the mode runs for `mask` on `size` ranks: its static layout, or the
     per-row layout whose ring rank r holds shares[r] (one batch row)."""
     layout = None if shares is None else RowLayout([share[None] for share in shares])
     mask = SequenceMask(mask.first_key, row_layout=layout)
     if mode == "dist_flash_attn":
-        return DistFlashPlan(mask, size, seq // size, "cpu")
-    plan = masked_ring_plan(mask, True, size, seq // size, "cpu")
-    return RingRounds(plan, size, seq // size, seq // size)
+        return DistFlashSchedule(mask, size, seq // size, "cpu")
+    steps = masked_ring_steps(mask, True, size, seq // size, "cpu")
+    return RingSchedule(steps, size, seq // size, seq // size)
 
 
-def rows_moved(plan, local_len: int) -> int:
-    """Rows of K/V (and of queries, for units computed by another rank) the plan's forward
+def rows_moved(schedule, local_len: int) -> int:
+    """Rows of K/V (and of queries, for units computed by another rank) the schedule's forward
     fetches from other ranks: what the executor sends, one row = one token's K, V or q heads."""
     moved = 0
-    for units in plan.rounds:
+    for units in schedule.rounds:
         for unit in units:
             if unit.worker != unit.kv_owner:
-                keys = plan.keys(unit)
+                keys = schedule.keys(unit)
                 moved += len(range(local_len)[keys]) if isinstance(keys, slice) else len(keys)
             if unit.worker != unit.q_owner:
-                moved += len(range(local_len)[plan.rows(unit)])
+                moved += len(range(local_len)[schedule.rows(unit)])
     return moved
 
 
@@ -107,7 +107,7 @@ def main():
     parser.add_argument("--seeds", type=int, default=10)
     args = parser.parse_args()
     print(f"S={args.seq}, long-tailed documents (log-normal, median 300 tokens), {args.seeds} rows per cell;")
-    print("max/min query x key products per rank, as planned; 'split' = document_split=True")
+    print("max/min query x key products per rank, as computed; 'split' = document_split=True")
     print("(every document cut over the ring as the mode cuts one causal row)")
     print("| mode | P | mean | worst | split: mean | split: worst | longest document (mean) |")
     print("|---|---|---|---|---|---|---|")

@@ -56,12 +56,16 @@ MOVED = {
 }
 PACKAGE = "easy_context"
 PROGRAMS = "programs"  # easy_context.programs[.<name>] -> recipes[.<name>]
+# recipes modules renamed since easy_context.programs: old name -> new name, under recipes
+RENAMED_RECIPES = {"harness": "lm_eval_model"}  # one word, one thing: lm-eval's model
 
 
 def new_name(old: str) -> str | None:
     """The module an old name under easy_context now is, or None if `old` did not move."""
     if old == PROGRAMS or old.startswith(PROGRAMS + "."):
-        return "recipes" + old[len(PROGRAMS) :]
+        head, _, rest = old[len(PROGRAMS) + 1 :].partition(".")
+        head = RENAMED_RECIPES.get(head, head)
+        return "recipes" + (f".{head}" if head else "") + (f".{rest}" if rest else "")
     return MOVED.get(old)
 
 

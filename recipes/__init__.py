@@ -18,7 +18,7 @@ ruler.py       RULER-style tasks (needles of several kinds, variable tracking, w
                exact token lengths, offline; ruler_tasks/ holds them as lm-eval task files
 demo_data.py   the demo base's tokenizer, copy and needle rows, accuracies (scripts/pretrain_demo_base.py)
 evaluation.py  score whole sequences over an SP group (no grad, per-token results)
-harness.py     lm-evaluation-harness's model `easy_context` (imports lm-eval: eval_harness.py)
+lm_eval_model.py  lm-evaluation-harness's model `easy_context` (imports lm-eval: eval_harness.py)
 plots.py       heatmaps and curves
 plan/          the planner: memory and time per mode for a model, length and cluster
 fsdp.py        train.py --fsdp: PyTorch FSDP2 applied directly, one unit per decoder layer

@@ -7,7 +7,7 @@ size (pure Ulysses, pure ring, and Ulysses x ring when there are 4 ranks or more
 groups as the modes do (core/groups.py: bound to the rank's GPU on NCCL), then runs on them the
 package's own transfers with values every rank can predict:
 
-  all_gather      collectives.all_gather over the SP group (decoding, checks, the balance plan)
+  all_gather      collectives.all_gather over the SP group (decoding, checks, document_split's layout)
   broadcast       collectives.broadcast from the last rank (a hybrid's state after the prefill)
   all_reduce      torch's over the SP group (the loss, gradients under DDP)
   all_to_all      exchange.seq_to_heads then heads_to_seq over the Ulysses group (ulysses_attn)

@@ -6,7 +6,7 @@
 
 masks      every kernel backend usable on the device, forward + backward of one block, on a
            causal block, a sliding window and packed documents: as bool masks, and in the forms
-           plans hand them over (a native window, documents as segments: flash's variable-length
+           the mask's kernel calls hand them over (a native window, documents as segments: flash's variable-length
            call); the median time and the max error against the math backend in fp64. A backend
            that cannot run a case prints `SKIP <backend> <case>: <reason>`.
 gloo-ops   two processes (one device: both ranks on it) over gloo, with tensors on --device,
@@ -17,7 +17,7 @@ gloo-ops   two processes (one device: both ranks on it) over gloo, with tensors 
 multirank  gloo-ops, then every mode the working ops can run: 2 ranks over gloo with tensors on
            --device (tools.check_exactness); the ring modes gloo cannot run: simulate; then
            what stays unexercised (NCCL).
-simulate   the ring modes' multi-rank path (plans, layouts, executor, K/V exchange, merges,
+simulate   the ring modes' multi-rank path (kernel calls, layouts, executor, K/V exchange, merges,
            backward with send-back) with 2 ranks as 2 threads of one process on one device:
            p2p.exchange is replaced by an in-memory mailbox, nothing else. out, dq, dk, dv of
            the ranks, put back in sequence order, against the mode on one rank (the
@@ -69,7 +69,7 @@ def documents(seq: int) -> torch.Tensor:
 
 def call_forms(case: str, backend, mask, window: int, seq: int) -> list[tuple[str, bool, dict]]:
     """(label, causal, keyword arguments) of each way `backend` takes a case: the mask, and the
-    plans' own form where the backend has it (a window; documents as segments)."""
+    kernel calls' own form where the backend has it (a window; documents as segments)."""
     if mask is None:
         return [("", True, {})]
     forms = [("mask", False, {"mask": mask})] if backend.supports_mask else []
@@ -291,7 +291,7 @@ def simulate(
     q, dout = (torch.randn(1, heads, seq, head_dim, generator=gen).to(device, dtype) for _ in range(2))
     k, v = (torch.randn(1, kv_heads, seq, head_dim, generator=gen).to(device, dtype) for _ in range(2))
     scale, ok = head_dim**-0.5, True
-    # A SequenceMask caches its plans per forward (for one world size): a fresh one per run.
+    # A SequenceMask caches its kernel calls per forward (for one world size): a fresh one per run.
     masks = {
         "causal": lambda: None,
         "window": lambda: SequenceMask.from_positions(torch.arange(seq)[None]).with_window(max(1, seq // 8)),

@@ -1,4 +1,4 @@
-"""Check the planner (recipes/plan.py) against measurements and published results.
+"""Check the planner (recipes/plan/) against measurements and published results.
 
     python -m tools.validate_plan                 # tables 1-3 (seconds)
     python -m tools.validate_plan --calibrate     # + table 0: saved-tensor bytes per layer (about 10 s of CPU)

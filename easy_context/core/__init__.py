@@ -9,7 +9,7 @@ blocks.py    a query shard over kernel blocks: fp32 log-sum-exp merging, sinks, 
 executor.py  the one executor: rounds of (query owner, K/V owner, worker, rows) units, with
              prefetch of the K/V rows a unit needs and send-back; forward, backward,
              recompute-free checkpointing
-ring.py      the ring as an executor plan (zigzag and masked ring plans build on it)
+ring.py      the ring as an executor schedule (the zigzag and masked rings' steps build on it)
 p2p.py       batched point-to-point exchange with prefetch
 collectives.py  all-gather and the same-data-on-every-rank check, written once
 remat.py     recompute-free checkpointing (attention outputs kept for the backward)

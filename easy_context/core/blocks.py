@@ -1,6 +1,6 @@
 """Block math: one query shard's attention over kernel blocks, merged exactly.
 
-Every executor plan reduces to these: `forward_blocks` runs a unit's kernel calls and folds
+Every executor schedule reduces to these: `forward_blocks` runs a unit's kernel calls and folds
 each block's (out, log-sum-exp) into fp32 accumulators (`merge_block`), `backward_blocks`
 gives the gradients from the global out/lse, and sinks are folded once at the end.
 Nothing here communicates.
@@ -39,7 +39,7 @@ def merge_block(
     weight sigmoid(block_lse - lse): no exponent of a raw log-sum-exp is taken. Rows without
     any key so far or in this block have lse = -inf; the NaN of (-inf) - (-inf) means
     "nothing on either side" and becomes weight 0. block_has_empty_rows=False: every row of
-    the block attends some key (a planned block), so no NaN can arise and none is looked for.
+    the block attends some key (a block of the mask's kernel calls), so no NaN can arise and none is looked for.
     """
     weight = torch.sigmoid(block_lse - lse)
     if block_has_empty_rows:
@@ -123,7 +123,7 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale, kernels: Kernels, st
             _part(lse, block, block.q).copy_(block_lse)
             written.append(block)
             continue
-        # planned blocks leave out rows with nothing to attend: no row of theirs is empty
+        # the mask's kernel calls leave out rows with nothing to attend: no row of theirs is empty
         merge_block(_part(out, block, block.q), _part(lse, block, block.q), block_out, block_lse, False)
     return (out, lse) if out is not None else None
 

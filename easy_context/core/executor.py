@@ -1,9 +1,9 @@
-"""The executor: exact attention over a sequence sharded across a process group, run as a plan.
+"""The executor: exact attention over a sequence sharded across a process group, run as a schedule.
 
-A plan is a list of rounds; a round is a list of units, the same list on every rank. A unit
+A schedule is a list of rounds; a round is a list of units, the same list on every rank. A unit
 (query owner, K/V owner, worker, rows) says: `worker` computes the attention of rows `rows`
 of the query owner's local queries against the K/V owner's local K/V. The modes differ only
-in their plans:
+in their schedules:
   ring (core/ring.py)  round t: every rank computes its own queries against the K/V of the
                        rank t before it (worker = query owner);
   dist_flash           LightSeq's balanced schedule: some units are computed by the K/V owner
@@ -49,7 +49,7 @@ from easy_context.core.masking import FULL_ROWS, Block
 from easy_context.core.p2p import Pending, buffer_like, exchange
 from easy_context.core.remat import AttentionOutputCache, in_backward
 
-__all__ = ["Unit", "Plan", "execute", "REMAT_CACHE"]
+__all__ = ["Unit", "Schedule", "execute", "REMAT_CACHE"]
 
 # Attention outputs kept across checkpoint recomputation, per HF layer.
 REMAT_CACHE = AttentionOutputCache()
@@ -74,7 +74,7 @@ class Unit(NamedTuple):
         return slice(self.part * size, stop)
 
 
-class Plan(Protocol):
+class Schedule(Protocol):
     masked: bool  # whether some rows may have no allowed key in a block (lse = -inf)
     rounds: list  # list of rounds, each a list of Units; identical on every rank
 
@@ -161,19 +161,19 @@ def _worker(u):
 
 
 class _Run:
-    """One call's plan, process group and tensors' templates, shared by forward and backward."""
+    """One call's schedule, process group and tensors' templates, shared by forward and backward."""
 
-    def __init__(self, plan: Plan, group, me: int, softcap):
-        self.plan, self.group, self.me, self.softcap = plan, group, me, softcap
+    def __init__(self, schedule: Schedule, group, me: int, softcap):
+        self.schedule, self.group, self.me, self.softcap = schedule, group, me, softcap
 
     def rows(self, unit, x):
-        return rows_view(x, self.plan.rows(unit))
+        return rows_view(x, self.schedule.rows(unit))
 
     def keys(self, unit, x):
-        return _key_rows(x, self.plan.keys(unit))
+        return _key_rows(x, self.schedule.keys(unit))
 
     def keys_like(self, unit, x):
-        return _key_rows_like(x, self.plan.keys(unit))
+        return _key_rows_like(x, self.schedule.keys(unit))
 
     def fetch(self, units, q_side, kv):
         """Transfers of the inputs the workers of `units` lack: q-side rows and K/V rows."""
@@ -205,7 +205,7 @@ class _Run:
     def rounds(self, q_side, kv):
         """(round's units, fetched q-side rows {i: [...]}, fetched K/V {i: [k, v]}) per round,
         the next round's fetch in flight while the caller computes this one."""
-        rounds = self.plan.rounds
+        rounds = self.schedule.rounds
         pending = self.fetch(rounds[0], q_side, kv) if rounds else None
         for t, units in enumerate(rounds):
             fetched_q, fetched_kv = (p.wait() for p in pending)
@@ -214,7 +214,7 @@ class _Run:
 
 
 def _forward(q, k, v, scale, run: _Run, sinks=None):
-    plan, me, acc = run.plan, run.me, accumulation_dtype(q.dtype)
+    schedule, me, acc = run.schedule, run.me, accumulation_dtype(q.dtype)
     kernels = Kernels(q, run.softcap)
     lse_like = torch.empty(q.shape[:3], dtype=acc, device=q.device)  # the shape of a returned lse
     state = None
@@ -231,11 +231,11 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
         if _tile_all_rows([r for r, _, _ in parts], q.shape[2]):
             parts = [(FULL_ROWS, *(torch.cat(x, dim=2) for x in list(zip(*parts))[1:]))]
         for r, block_out, block_lse in parts:
-            merge_block(rows_view(state[0], r), rows_view(state[1], r), block_out, block_lse, plan.masked)
+            merge_block(rows_view(state[0], r), rows_view(state[1], r), block_out, block_lse, schedule.masked)
 
     def merge_returned(returning):
         units, pending, parts = returning
-        merge_parts(parts + [(plan.rows(units[i]), *result) for i, result in pending.wait().items()])
+        merge_parts(parts + [(schedule.rows(units[i]), *result) for i, result in pending.wait().items()])
 
     returning = None
     for units, fetched_q, fetched_kv in run.rounds([q], [k, v]):
@@ -244,15 +244,17 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
             if u.worker != me:
                 continue
             uk, uv = fetched_kv.get(i) or [run.keys(u, x) for x in (k, v)]
-            if u.q_owner == me and _split_apart(plan.blocks(u), plan.rows(u), q.shape[2]):
+            if u.q_owner == me and _split_apart(schedule.blocks(u), schedule.rows(u), q.shape[2]):
                 # some of my rows in one call: merged with the rows computed for me this round
-                parts.append((plan.rows(u), *forward_blocks(run.rows(u, q), uk, uv, plan.blocks(u), scale, kernels)))
+                parts.append(
+                    (schedule.rows(u), *forward_blocks(run.rows(u, q), uk, uv, schedule.blocks(u), scale, kernels))
+                )
             elif u.q_owner == me:
-                blocks = _shifted(plan.blocks(u), plan.rows(u), q.shape[2])
+                blocks = _shifted(schedule.blocks(u), schedule.rows(u), q.shape[2])
                 state = forward_blocks(q, uk, uv, blocks, scale, kernels, state)
             else:
                 uq = fetched_q[i][0]
-                results[i] = list(finish_forward(uq, forward_blocks(uq, uk, uv, plan.blocks(u), scale, kernels)))
+                results[i] = list(finish_forward(uq, forward_blocks(uq, uk, uv, schedule.blocks(u), scale, kernels)))
         if returning is not None:
             merge_returned(returning)
         returning = None
@@ -278,9 +280,9 @@ def _forward(q, k, v, scale, run: _Run, sinks=None):
 
 
 def _backward(dout, q, k, v, out, lse, scale, run: _Run):
-    plan, me, acc = run.plan, run.me, accumulation_dtype(q.dtype)
+    schedule, me, acc = run.schedule, run.me, accumulation_dtype(q.dtype)
     kernels = Kernels(q, run.softcap)
-    lse = safe_lse(lse, plan.masked)
+    lse = safe_lse(lse, schedule.masked)
     grads = [None, None, None]  # this rank's dQ, dK, dV (fp32), started at the first contribution
 
     def add_dq(parts):
@@ -298,7 +300,7 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
     def kv_rows(unit):
         """This rank's dK/dV accumulators for a unit of its own K/V: the totals themselves when
         the unit needs every key row, else views of its key rows (the totals started as zeros)."""
-        keys = plan.keys(unit)
+        keys = schedule.keys(unit)
         if covers(keys, k.shape[2]):
             return grads[1], grads[2]
         for j, x in ((1, k), (2, v)):
@@ -308,7 +310,7 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
 
     def add_kv(unit, block_dk, block_dv):
         """Add the dK/dV another rank computed with this rank's K/V rows `keys(unit)`."""
-        keys = plan.keys(unit)
+        keys = schedule.keys(unit)
         if isinstance(keys, slice) and covers(keys, k.shape[2]) and grads[1] is None:
             grads[1], grads[2] = block_dk, block_dv  # the first: no zero-filled total
         elif isinstance(keys, slice):
@@ -322,7 +324,7 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
 
     def add_returned(returning):
         units, dq_pending, dkv_pending, dq_parts = returning
-        add_dq(dq_parts + [(plan.rows(units[i]), block_dq) for i, (block_dq,) in dq_pending.wait().items()])
+        add_dq(dq_parts + [(schedule.rows(units[i]), block_dq) for i, (block_dq,) in dq_pending.wait().items()])
         for i, (block_dk, block_dv) in dkv_pending.wait().items():
             add_kv(units[i], block_dk, block_dv)
 
@@ -336,8 +338,8 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
             uk, uv = fetched_kv.get(i) or [run.keys(u, x) for x in (k, v)]
             own_kv = u.kv_owner == me
             kv_grads = kv_rows(u) if own_kv else (None, None)
-            if u.q_owner == me and not _split_apart(plan.blocks(u), plan.rows(u), q.shape[2]):
-                blocks = _shifted(plan.blocks(u), plan.rows(u), q.shape[2])
+            if u.q_owner == me and not _split_apart(schedule.blocks(u), schedule.rows(u), q.shape[2]):
+                blocks = _shifted(schedule.blocks(u), schedule.rows(u), q.shape[2])
                 dq, dk, dv = backward_blocks(dout, q, uk, uv, out, lse, blocks, scale, kernels, (grads[0], *kv_grads))
                 grads[0] = dq
             elif u.q_owner == me:
@@ -346,12 +348,12 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
                     uk,
                     uv,
                     *(run.rows(u, x) for x in (out, lse)),
-                    plan.blocks(u),
+                    schedule.blocks(u),
                     scale,
                     kernels,
                     (None, *kv_grads),
                 )
-                dq_parts.append((plan.rows(u), dq))
+                dq_parts.append((schedule.rows(u), dq))
             else:
                 uq, udout, uout, ulse = fetched_q[i]
                 dq, dk, dv = backward_blocks(
@@ -361,12 +363,12 @@ def _backward(dout, q, k, v, out, lse, scale, run: _Run):
                     uv,
                     uout,
                     ulse,
-                    plan.blocks(u),
+                    schedule.blocks(u),
                     scale,
                     kernels,
                     (None, *kv_grads),
                 )
-            if own_kv and covers(plan.keys(u), k.shape[2]):  # else added in place to the views
+            if own_kv and covers(schedule.keys(u), k.shape[2]):  # else added in place to the views
                 grads[1], grads[2] = dk, dv
             partial[i] = [None if u.q_owner == me else dq, None if own_kv else dk, None if own_kv else dv]
         if returning is not None:
@@ -427,14 +429,16 @@ class _Executed(torch.autograd.Function):
         return dq, dk, dv, sinks_grad(dout, out, lse, sinks), None, None, None, None
 
 
-def execute(q, k, v, scale: float, plan: Plan, group=None, layer=None, softcap=None, sinks=None) -> torch.Tensor:
-    """Exact attention of the local queries against the K/V of every rank in `group`, as `plan`
-    schedules it. q (B, Hq, S_local, D), k/v (B, Hkv, S_kv, D); returns (B, Hq, S_local, D).
-    `group=None` or a group of one rank: the plan's units of rank 0, with no communication.
+def execute(
+    q, k, v, scale: float, schedule: Schedule, group=None, layer=None, softcap=None, sinks=None
+) -> torch.Tensor:
+    """Exact attention of the local queries against the K/V of every rank in `group`, as `schedule`
+    orders it. q (B, Hq, S_local, D), k/v (B, Hkv, S_kv, D); returns (B, Hq, S_local, D).
+    `group=None` or a group of one rank: the schedule's units of rank 0, with no communication.
     `layer` (the HF attention module): reuse its stored output when gradient checkpointing
     re-runs the forward in the backward. softcap: logits c * tanh(s / c); sinks (Hq,): a
     learned logit per head in every row's softmax."""
     distributed = group is not None and dist.get_world_size(group) > 1
-    run = _Run(plan, group if distributed else None, dist.get_rank(group) if distributed else 0, softcap)
+    run = _Run(schedule, group if distributed else None, dist.get_rank(group) if distributed else 0, softcap)
     # Grad mode is off inside autograd.Function.forward: read it here.
     return _Executed.apply(q, k, v, sinks, scale, run, layer, torch.is_grad_enabled())

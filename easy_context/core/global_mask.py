@@ -36,7 +36,7 @@ def gather_sequence_mask(position_ids, padding, groups: SeqParallelGroups, layou
     size, rank = groups.topology.sp_size, groups.sp_rank
     pieces = all_gather(local, groups.sp)  # on the data's device: NCCL takes only CUDA tensors
     if token_index is None:
-        whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: plans are built on the host
+        whole = layout.unshard(pieces, dim=2).cpu()  # the one host copy per forward: kernel calls are made there
         check_positions(pieces, size, rank, layout)
         row_layout = None
     else:  # document_split: each rank's rows sit at the global positions its third row names

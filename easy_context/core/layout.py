@@ -13,7 +13,7 @@ truth and shard, unshard and the position check all derive from it.
 `RowLayout` (document_split) is a layout of its own per batch row, balancing the ranks' work
 on packed documents (balance.py): document_split=True cuts every document over the ring the
 way the static layout cuts one causal row; document_split="workload" keeps documents whole on
-one rank each and cuts only the longest. The ring's plans read either kind through
+one rank each and cuts only the longest. The ring's steps read either kind through
 `ring_positions`.
 """
 

@@ -10,13 +10,13 @@ output is 0 and they are left out of every kernel call). Indices are global posi
 the row, so the same description serves every rank and every mode; the window is the only
 per-layer part (`with_window`).
 
-`plan_blocks` turns the rule into kernel calls for one (local query rows x local key rows)
+`kernel_calls` turns the rule into kernel calls for one (local query rows x local key rows)
 pair of any layout: rows are grouped into runs whose first and last allowed keys each stay
 or move by one per row, and each run is one kernel call: a full rectangle, a rectangle plus
 a causal square, or a window (a sliding band; kernels with a native window run it as such,
 the others with a mask that depends only on the block's shape). Nothing wasted, no per-row
-work: the runs come from one vectorized pass, so a plan costs the same few host operations
-at any length. Pairs with no allowed key are never computed.
+work: the runs come from one vectorized pass, so a pair's calls cost the same few host
+operations at any length. Pairs with no allowed key are never computed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Block", "SequenceMask", "document_starts", "plan_blocks", "FULL_ROWS"]
+__all__ = ["Block", "SequenceMask", "document_starts", "kernel_calls", "FULL_ROWS"]
 
 FULL_ROWS = slice(None)
 
@@ -78,10 +78,10 @@ class SequenceMask:
 
     first_key: torch.Tensor
     window: int | None = None
-    # document_split: the layout.RowLayout the ranks hold this forward's rows in (the plans are
-    # built on it). None: the mode's static layout.
+    # document_split: the layout.RowLayout the ranks hold this forward's rows in (the kernel
+    # calls are worked out on it). None: the mode's static layout.
     row_layout: object | None = None
-    _plans: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_positions(
@@ -106,7 +106,7 @@ class SequenceMask:
             return self
         if window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {window}")
-        # shares nothing but the description: plans differ
+        # shares nothing but the description: kernel calls differ
         return self.memo(("window", window), lambda: SequenceMask(self.first_key, window, self.row_layout))
 
     @property
@@ -118,16 +118,17 @@ class SequenceMask:
 
     def memo(self, key, build):
         """The value cached under `key` (hashable) for this mask, built by build() at the first
-        call: plans depend on the mask only, so every layer of a forward and its backward reuse them."""
-        if key not in self._plans:
-            self._plans[key] = build()
-        return self._plans[key]
+        call: kernel calls, key rows and the like depend on the mask only, so every layer of a
+        forward and its backward reuse them."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def blocks(self, key, q_index: torch.Tensor, k_index: torch.Tensor, device=None) -> list[Block]:
         """Kernel calls for local queries at global positions q_index x keys at k_index (both
         increasing). `key` (hashable) names the pair for the caller: every layer of a forward
-        and its backward reuse the plan."""
-        return self.memo(key, lambda: plan_blocks(self, q_index, k_index))
+        and its backward reuse them."""
+        return self.memo(key, lambda: kernel_calls(self, q_index, k_index))
 
     def pairs_per_query(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """(n,) allowed keys of each local query row, summed over the batch rows. Indices: (n,)
@@ -200,7 +201,7 @@ def _key_ranges(first_key_q, q_index, k_index, window):
 
 def _by_row(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor):
     """(batch rows, first_key of the queries (1, n), q_index, k_index, number of rows) for each
-    group of batch rows that can be planned together: all rows at once when they share the
+    group of batch rows whose kernel calls are worked out together: all rows at once when they share the
     layout and the boundaries, else row by row. Indices: (n,) shared, or (B, n) per row."""
     if q_index.dim() == 2:  # a layout of its own per batch row
         for b in range(q_index.shape[0]):
@@ -214,7 +215,9 @@ def _by_row(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor):
         yield slice(b, b + 1), first_key_q[b : b + 1], q_index, k_index, 1
 
 
-def plan_blocks(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor) -> list[Block]:
+def kernel_calls(mask: SequenceMask, q_index: torch.Tensor, k_index: torch.Tensor) -> list[Block]:
+    """SequenceMask.blocks' kernel calls, worked out (not cached): one Block per call, as the
+    module's docstring describes."""
     blocks = []
     for batch, first_key_q, q, k, _ in _by_row(mask, q_index, k_index):
         lo, hi = (x[0] for x in _key_ranges(first_key_q, q, k, mask.window))

@@ -1,4 +1,4 @@
-"""Rematerialisation-aware attention (DistFlashAttn's idea), for every executor plan.
+"""Rematerialisation-aware attention (DistFlashAttn's idea), for every executor schedule.
 
 With gradient checkpointing, a decoder layer's forward runs again during backward, and
 with it the whole distributed attention forward (kernels and communication). Its result

@@ -2,14 +2,14 @@
 
 At step t every rank works with the K/V of the rank t places before it. Which (query rows x
 key rows) products a rank computes at each step is the only thing that differs between
-layouts and masks; a `RingPlan` supplies it, and `RingRounds` turns it into the executor's
-rounds (executor.py): round t holds a unit (r, r - t, r) for each rank r with work at step t,
+layouts and masks; a `RingSteps` supplies it, and `RingSchedule` turns it into the executor's
+schedule (executor.py): round t holds a unit (r, r - t, r) for each rank r with work at step t,
 so the K/V travels straight from its owner, the next step's while this one computes, and
 the dK/dV of each borrowed block (fp32) goes straight back, one step behind.
 
 A step no rank has work for is skipped, and a rank with no work at a step receives nothing
 (packed documents and sliding windows leave most steps of a long ring empty; every rank
-decides this from the same plan, so no rank waits on a message that never comes). Of the K/V
+decides this from the same steps, so no rank waits on a message that never comes). Of the K/V
 a rank needs, only the rows its queries may attend travel (`keys`): under
 document_split="workload" short documents sit whole on one rank and only the rows of the
 documents cut or spilled over ranks are sent. Without masks every step and row is needed and this
@@ -31,10 +31,10 @@ from easy_context.core.masking import FULL_ROWS, Block, SequenceMask
 
 __all__ = [
     "Block",
-    "RingPlan",
-    "MaskedRingPlan",
-    "RingRounds",
-    "masked_ring_plan",
+    "RingSteps",
+    "MaskedRingSteps",
+    "RingSchedule",
+    "masked_ring_steps",
     "ring_attention",
     # block math, in blocks.py since the executor; release 0.1 imported it from easy_context.ring
     "merge_block",
@@ -42,7 +42,9 @@ __all__ = [
 ]
 
 
-class RingPlan(Protocol):
+class RingSteps(Protocol):
+    """Which (query rows x key rows) products each rank computes at each ring step."""
+
     masked: bool  # whether some rows may have no allowed key in a block (lse = -inf)
 
     def blocks(self, step: int, rank: int, size: int, q_len: int, kv_len: int) -> Sequence[Block]:
@@ -54,10 +56,10 @@ class RingPlan(Protocol):
 
     def keys(self, step: int, rank: int, size: int):
         """The rows of rank (rank - step) % size's K/V that `rank` needs at `step`: FULL_ROWS, a
-        slice or an index tensor (see executor.Plan.keys)."""
+        slice or an index tensor (see executor.Schedule.keys)."""
 
 
-class MaskedRingPlan:
+class MaskedRingSteps:
     """Blocks of any layout under a SequenceMask: `layout.ring_positions(seq_len, rank)` gives the
     global positions of a ring rank's rows (shared by the batch rows, or per row)."""
 
@@ -65,7 +67,7 @@ class MaskedRingPlan:
 
     def __init__(self, mask: SequenceMask, layout, seq_len: int, device):
         self.mask, self.layout, self.seq_len, self.device = mask, layout, seq_len, device
-        self.name = (layout, seq_len)  # the layout, for the mask's plan cache
+        self.name = (layout, seq_len)  # the layout, in the keys of the mask's memo
 
     def _positions(self, rank):
         return self.layout.ring_positions(self.seq_len, rank)
@@ -89,22 +91,22 @@ class MaskedRingPlan:
         return self.mask.has_pairs((self.name, rank, source), self._positions(rank), self._positions(source))
 
 
-def masked_ring_plan(mask: SequenceMask, zigzag: bool, size: int, local_len: int, device) -> MaskedRingPlan:
-    """The plan for `mask` on a ring of `size` ranks holding `local_len` rows each, in the
+def masked_ring_steps(mask: SequenceMask, zigzag: bool, size: int, local_len: int, device) -> MaskedRingSteps:
+    """The ring steps for `mask` on a ring of `size` ranks holding `local_len` rows each, in the
     mask's per-row layout (document_split) or else the static zigzag/contiguous one."""
-    return MaskedRingPlan(mask, ring_layout(mask, zigzag, size), local_len * size, device)
+    return MaskedRingSteps(mask, ring_layout(mask, zigzag, size), local_len * size, device)
 
 
-class RingRounds:
-    """A RingPlan as executor rounds: round 0 is every rank's own K/V; then one round per step
+class RingSchedule:
+    """RingSteps as an executor schedule: round 0 is every rank's own K/V; then one round per step
     some rank has work at, with a unit for each such rank (the same list on every rank)."""
 
-    def __init__(self, plan: RingPlan, size: int, q_len: int, kv_len: int):
-        self.plan, self.size, self.q_len, self.kv_len = plan, size, q_len, kv_len
-        self.masked = plan.masked
-        self.rounds = [[Unit(r, r, r) for r in range(size) if plan.needs(0, r, size)]]
+    def __init__(self, steps: RingSteps, size: int, q_len: int, kv_len: int):
+        self.steps, self.size, self.q_len, self.kv_len = steps, size, q_len, kv_len
+        self.masked = steps.masked
+        self.rounds = [[Unit(r, r, r) for r in range(size) if steps.needs(0, r, size)]]
         for step in range(1, size):
-            units = [Unit(r, (r - step) % size, r) for r in range(size) if plan.needs(step, r, size)]
+            units = [Unit(r, (r - step) % size, r) for r in range(size) if steps.needs(step, r, size)]
             if units:
                 self.rounds.append(units)
 
@@ -112,23 +114,24 @@ class RingRounds:
         return FULL_ROWS
 
     def keys(self, unit: Unit):
-        return self.plan.keys((unit.q_owner - unit.kv_owner) % self.size, unit.q_owner, self.size)
+        return self.steps.keys((unit.q_owner - unit.kv_owner) % self.size, unit.q_owner, self.size)
 
     def blocks(self, unit: Unit) -> Sequence[Block]:
         step = (unit.q_owner - unit.kv_owner) % self.size
-        return self.plan.blocks(step, unit.q_owner, self.size, self.q_len, self.kv_len)
+        return self.steps.blocks(step, unit.q_owner, self.size, self.q_len, self.kv_len)
 
 
 def ring_attention(
-    q, k, v, scale: float, plan: RingPlan, group=None, softcap=None, sinks=None, layer=None
+    q, k, v, scale: float, steps: RingSteps, group=None, softcap=None, sinks=None, layer=None
 ) -> torch.Tensor:
     """Exact attention of the local queries against the K/V of every rank in `group`.
 
-    q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D); returns (B, Hq, S_local, D).
-    `group=None` or a group of one rank computes plain local attention. softcap: logits
-    c * tanh(s / c); sinks (Hq,): a learned logit per head in every row's softmax; layer:
-    the HF attention module, for recompute-free checkpointing (executor.execute).
+    q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D); returns (B, Hq, S_local, D). `steps`
+    (RingSteps): the products each rank computes at each step. `group=None` or a group of
+    one rank computes plain local attention. softcap: logits c * tanh(s / c); sinks (Hq,): a
+    learned logit per head in every row's softmax; layer: the HF attention module, for
+    recompute-free checkpointing (executor.execute).
     """
     size = dist.get_world_size(group) if group is not None else 1
-    rounds = RingRounds(plan, size, q.shape[2], k.shape[2])
-    return execute(q, k, v, scale, rounds, group, layer, softcap, sinks)
+    schedule = RingSchedule(steps, size, q.shape[2], k.shape[2])
+    return execute(q, k, v, scale, schedule, group, layer, softcap, sinks)

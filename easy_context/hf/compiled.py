@@ -1,7 +1,7 @@
 """Sequence-parallel attention as one opaque operator for torch.compile.
 
-The attention a mode runs is Python all the way down: process groups, plans built from the
-mask, point-to-point transfers, a data-dependent mask gathered once per forward. Traced by
+The attention a mode runs is Python all the way down: process groups, kernel calls worked out
+from the mask, point-to-point transfers, a data-dependent mask gathered once per forward. Traced by
 Dynamo it breaks the graph in every decoder layer. Under compilation the dispatcher
 (patch.py) calls `easy_context::sp_attention` instead, a torch.library custom op: Dynamo,
 AOTAutograd and Inductor see one node per layer with a declared output shape, and at run

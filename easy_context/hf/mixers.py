@@ -147,7 +147,7 @@ def _document_starts(module, group, layout, local_len: int):
     pieces = all_gather(local, group)
     # the model's default positions (arange on every shard) would read as a document per shard
     check_positions([piece[None] for piece in pieces], layout.size, dist.get_rank(group), layout)
-    whole = layout.unshard(pieces, dim=1).cpu()  # on the host: the cuts are planned there
+    whole = layout.unshard(pieces, dim=1).cpu()  # on the host: the runs are cut there
     starts = document_starts(whole)
     starts = starts if bool(starts[:, 1:].any()) else None
     _gathered = (weakref.ref(positions), positions._version, starts)

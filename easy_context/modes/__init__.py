@@ -68,7 +68,7 @@ class SeqParallelMode:
 
     def ring_degrees_to_plan(self, sp_size: int) -> tuple:
         """The ring degrees worth planning for an SP group of sp_size ranks: none for a
-        sequence-parallel mode on one rank (that is data_parallel's plan)."""
+        sequence-parallel mode on one rank (the planner prices that as data_parallel)."""
         if not self.sequence_parallel:
             return (1,) if sp_size == 1 else ()
         if sp_size == 1:

@@ -1,4 +1,4 @@
-"""dist_flash_attn: DistFlashAttn (LightSeq) as a plan over the executor (core/executor.py).
+"""dist_flash_attn: DistFlashAttn (LightSeq) as a schedule for the executor (core/executor.py).
 
 Contiguous layout: rank r holds chunk r of the sequence (queries and keys). Causal
 attention needs the products q_r x kv_s for every s <= r: the diagonal (s = r) plus
@@ -56,10 +56,11 @@ def products_per_rank(size: int, seq_len: int) -> list[int]:
     return work
 
 
-class DistFlashPlan:
-    """The balanced schedule as executor rounds. Kernel calls of each unit: one block (causal on
-    the diagonal) without a mask; under a mask, the mask's blocks on the ring's layout, and
-    units with no allowed pair are dropped on every rank (no compute, no transfer)."""
+class DistFlashSchedule:
+    """The balanced schedule as the executor runs it (an executor.Schedule). Kernel calls of
+    each unit: one block (causal on the diagonal) without a mask; under a mask, the mask's
+    blocks on the ring's layout, and units with no allowed pair are dropped on every rank (no
+    compute, no transfer)."""
 
     def __init__(self, mask, size: int, local_len: int, device):
         self.mask, self.device, self.local_len = mask, device, local_len
@@ -125,7 +126,7 @@ def dist_flash_attention(q, k, v, scale, group=None, layer=None, mask=None, soft
     SequenceMask over the group's whole sequence) restricts the attention further; softcap
     and sinks as in ring.ring_attention."""
     size = dist.get_world_size(group) if group is not None else 1
-    return execute(q, k, v, scale, DistFlashPlan(mask, size, q.shape[2], q.device), group, layer, softcap, sinks)
+    return execute(q, k, v, scale, DistFlashSchedule(mask, size, q.shape[2], q.device), group, layer, softcap, sinks)
 
 
 def dist_flash_activations(shape: AttentionShape) -> Activations:

@@ -37,7 +37,7 @@ MODE = SeqParallelMode(
     attention=ulysses_attention,
     document_split=True,
     takes_ring_degree=True,
-    # ring_degree 1 is ulysses_attn's split and sp_size zigzag_ring_attn's: planned under those
+    # ring_degree 1 is ulysses_attn's split and sp_size zigzag_ring_attn's: the planner prices them as those
     ring_degree_choices=lambda sp: tuple(r for r in divisors(sp) if 1 < r < sp),
     traffic=ulysses_traffic,  # the same attention as ulysses_attn, so the same costs
     activations=ulysses_activations,

@@ -2,9 +2,9 @@
 
 The sequence is cut into 2P chunks and rank r keeps chunks r and 2P-1-r. With causal
 attention every ring step then costs each rank the same: half of a full local block.
-Under a mask (packed documents, padding, windows) the blocks come from the mask's plan on
-the same layout (or the row's own layout under document_split), and ring steps nobody
-needs are skipped. Given the HF layer, gradient checkpointing does not recompute it.
+Under a mask (packed documents, padding, windows) the blocks are the mask's kernel calls on
+the same layout (or the row's own layout under document_split), and ring steps nobody needs
+are skipped. Given the HF layer, gradient checkpointing does not recompute it.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from easy_context.core.masking import Block
-from easy_context.core.ring import masked_ring_plan, ring_attention
+from easy_context.core.ring import masked_ring_steps, ring_attention
 from easy_context.modes import SeqParallelMode, fixed_ring_degree
 from easy_context.modes.costs import Activations, ring_buffers, ring_traffic
 
 _ALL = slice(None)
 
 
-class ZigzagPlan:
-    """Blocks of the causal zigzag ring; local rows are [chunk r | chunk 2P-1-r]."""
+class ZigzagSteps:
+    """The causal zigzag ring's steps (a ring.RingSteps); local rows are [chunk r | chunk 2P-1-r]."""
 
     masked = False
 
@@ -41,22 +41,22 @@ class ZigzagPlan:
         return [Block(slice(q_len // 2, None), _ALL, causal=False)]
 
 
-PLAN = ZigzagPlan()
+CAUSAL_STEPS = ZigzagSteps()
 
 
-def ring_plan(mask, group, local_len: int, device):
-    """The plan for `mask` (a SequenceMask or None) on the zigzag layout of `group`."""
+def ring_steps(mask, group, local_len: int, device):
+    """The ring steps for `mask` (a SequenceMask or None) on the zigzag layout of `group`."""
     if mask is None or mask.is_causal:
-        return PLAN
+        return CAUSAL_STEPS
     size = dist.get_world_size(group) if group is not None else 1
-    return masked_ring_plan(mask, True, size, local_len, device)
+    return masked_ring_steps(mask, True, size, local_len, device)
 
 
 def zigzag_ring_attention(q, k, v, scale, group=None, mask=None, softcap=None, sinks=None, layer=None):
     """Causal attention of zigzag-sharded q/k/v over the ranks of `group`; `mask` (a
     SequenceMask over the group's whole sequence) restricts it further; softcap, sinks and
     layer (recompute-free checkpointing) as in ring.ring_attention."""
-    return ring_attention(q, k, v, scale, ring_plan(mask, group, q.shape[2], q.device), group, softcap, sinks, layer)
+    return ring_attention(q, k, v, scale, ring_steps(mask, group, q.shape[2], q.device), group, softcap, sinks, layer)
 
 
 MODE = SeqParallelMode(

@@ -180,7 +180,7 @@ class TokenRows:
 class PackedRows:
     """Documents packed into rows: document, EOS, document, EOS, ... cut every `length`
     tokens. A document longer than what is left of a row continues in the next one (with
-    --document-masking its positions restart at each row start, as for any row). The plan is
+    --document-masking its positions restart at each row start, as for any row). The index is
     one cumulative count per document; a row reads only the documents it overlaps."""
 
     def __init__(

@@ -3,7 +3,7 @@ counts it): host syncs per training step bounded by a constant whatever the laye
 ops per layer close to the unpatched model's, and decoding without a host sync per layer, whose
 per-layer cost does not grow with the cache when the batch is left-padded (issue 46).
 
-The bounds are issue 29's. On the code before it (per-row window plans, per-tile masks,
+The bounds are issue 29's. On the code before it (per-row window kernel calls, per-tile masks,
 allclose per decoding layer) a window step took 802 host syncs and 1.97x the ops per layer,
 and decoding 1 host sync per layer."""
 
@@ -15,7 +15,7 @@ from benchmarks import dispatch_counts
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 SPEC = dispatch_counts.spec_for(seq_len=1024, window=128)
-SYNCS_PER_STEP = 20  # plans, the loss's all-reduce, the first forward's checks: none per layer or row
+SYNCS_PER_STEP = 20  # kernel calls worked out, the loss's all-reduce, the first forward's checks: none per layer or row
 OPS_RATIO = {"causal": 1.3, "packed": 1.5, "window": 1.5}  # issue 29's bounds
 DECODING_OPS_RATIO = 1.25
 SPANS = list(zip(SPEC["padded_decode_tokens"], SPEC["padded_decode_tokens"][1:]))

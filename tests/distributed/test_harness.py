@@ -1,4 +1,4 @@
-"""eval_harness.py's model `easy_context` (recipes/harness.py) against lm-eval's own `hf` model on
+"""eval_harness.py's model `easy_context` (recipes/lm_eval_model.py) against lm-eval's own `hf` model on
 the shipped base (a real BPE tokenizer), at 2 gloo ranks: every per-request loglikelihood within
 fp32 noise and the same greedy flags, rolling loglikelihoods over several windows, and the same
 greedy generations, in every mode; lm-eval's rank and gathers are the data-parallel groups'.
@@ -56,7 +56,7 @@ def _worker(rank, world):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import easy_context as ec
-    from recipes.harness import SeqParallelLM
+    from recipes.lm_eval_model import SeqParallelLM
 
     scored, rolling, generated = _requests()
     reference = HFLM(
@@ -98,7 +98,7 @@ def test_backend_matches_lm_evals_hf_model_in_every_mode():
 
 def _groups_worker(rank, world):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    from recipes.harness import SeqParallelLM
+    from recipes.lm_eval_model import SeqParallelLM
 
     scored, _, _ = _requests()
     lm = SeqParallelLM(pretrained=DEMO, mode="ulysses_attn", sp_size=2, max_length=MAX_LENGTH)

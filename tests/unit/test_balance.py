@@ -1,4 +1,5 @@
-"""The layouts' work balance itself, counted from the plans the attention runs.
+"""The layouts' work balance itself, counted from the kernel calls and schedules the
+attention runs.
 
 Exactness holds under any split of the sequence, so the exactness tests cannot see a layout
 that balances nothing: these tests count each rank's query x key products and hold every
@@ -12,7 +13,7 @@ import random
 import pytest
 import torch
 
-from benchmarks.mask_balance import WORK_OF, long_tailed_lengths, packed_mask, plan_of, rows_moved
+from benchmarks.mask_balance import WORK_OF, long_tailed_lengths, packed_mask, rows_moved, schedule_of
 from easy_context.core.balance import _documents, place_documents, split_documents
 
 
@@ -58,8 +59,8 @@ def _owner(shares, seq):
 @pytest.mark.parametrize("size", [2, 4])
 def test_workload_layout_keeps_documents_whole_balances_and_moves_fewer_rows(mode, size):
     """document_split="workload" on long-tailed packed rows of 16K: the ranks' work within 1.1
-    (max/min, from the plans), at least half of every row's documents whole on one rank (the
-    longest are cut; measured 55-97%), and the K/V rows the plans fetch from other ranks,
+    (max/min, from the kernel calls), at least half of every row's documents whole on one rank (the
+    longest are cut; measured 55-97%), and the K/V rows the schedules fetch from other ranks,
     summed over the rows, at most 0.9x document_split's (measured 0.3-0.8x). Each rank holds
     S / R rows, every position once."""
     seq, zigzag = 16384, mode == "zigzag_ring_attn"
@@ -74,9 +75,9 @@ def test_workload_layout_keeps_documents_whole_balances_and_moves_fewer_rows(mod
         owner, documents = _owner(shares, seq), _documents(mask.first_key[0], valid)
         whole = sum(len(owner[start : start + n].unique()) == 1 for start, n in documents)
         assert whole >= len(documents) / 2, (seed, whole, len(documents))
-        moved["workload"] += rows_moved(plan_of(mode, mask, seq, size, shares), seq // size)
+        moved["workload"] += rows_moved(schedule_of(mode, mask, seq, size, shares), seq // size)
         cut = split_documents(mask.first_key[0], valid, size, zigzag)
-        moved["cut"] += rows_moved(plan_of(mode, mask, seq, size, cut), seq // size)
+        moved["cut"] += rows_moved(schedule_of(mode, mask, seq, size, cut), seq // size)
     print(f"{mode} P={size}: K/V rows moved, workload / document_split = {moved['workload'] / moved['cut']:.2f}")
     assert moved["workload"] <= 0.9 * moved["cut"], moved
 

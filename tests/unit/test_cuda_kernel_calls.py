@@ -611,7 +611,7 @@ def test_cuda_flash_documents_take_the_variable_length_call(causal, window):
     assert (backward["window_size_left"], backward["window_size_right"]) == (window or (None, None))
     assert out.shape == q.shape and lse.shape == (1, 8, 40)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-    # the cu_seqlens of a plan are built once: every layer and the backward reuse them
+    # the cu_seqlens of a mask's kernel calls are built once: every layer and the backward reuse them
     assert cuda_backend.cu_seqlens(segments, q.device) is cu
     q2, k2, v2, _ = meta_inputs(8, 2, 40, 40, torch.bfloat16)
     with CallRecorder() as rec:

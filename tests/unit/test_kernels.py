@@ -422,12 +422,12 @@ def test_sinks_folded_after_the_merge_equal_a_softmax_with_the_sink(softcap):
     """ring.fold_sinks / sinks_grad on one rank: out, dq, dk, dv and d sinks against autograd
     through a softmax with the sink column (gpt-oss's eager attention)."""
     from easy_context.core.ring import ring_attention
-    from easy_context.modes.zigzag_ring_attn import PLAN
+    from easy_context.modes.zigzag_ring_attn import CAUSAL_STEPS
 
     q, k, v, dout = inputs(4, 2, 40, 40, torch.float32, layout="bshd")
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
     leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
-    out = ring_attention(*leaves[:3], 0.25, PLAN, None, softcap=softcap, sinks=leaves[3])
+    out = ring_attention(*leaves[:3], 0.25, CAUSAL_STEPS, None, softcap=softcap, sinks=leaves[3])
     out.backward(dout)
     refs = [x.double().requires_grad_() for x in (q, k, v, sinks)]
     want = reference(*refs[:3], True, 0.25, softcap=softcap, sinks=refs[3])[0]

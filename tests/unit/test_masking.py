@@ -1,4 +1,4 @@
-"""The mask description and its block plans, single process: every allowed (query, key)
+"""The mask description and its kernel calls, single process: every allowed (query, key)
 pair is computed exactly once, no other pair unmasked, for packed rows, padding, windows and
 every layout's (query shard x key shard) pairs."""
 
@@ -101,7 +101,7 @@ def test_description_of_documents_and_padding():
     assert not mask.is_causal and SequenceMask.from_positions(torch.arange(8)[None]).is_causal
 
 
-def test_plain_causal_rows_plan_one_block_per_shard_pair():
+def test_plain_causal_rows_are_one_block_per_shard_pair():
     seq, layout = 64, Layout(True, 2)
     mask = SequenceMask.from_positions(torch.arange(seq)[None]).with_window(None)
     qi = layout.local_indices(seq, 1)
@@ -182,8 +182,8 @@ def test_random_masks_and_layouts_cover_each_allowed_pair_exactly_once(seed):
             assert torch.equal(got, want.long()), (seed, layout.name, qr, kr, window)
 
 
-def test_window_plans_cost_the_same_at_any_length():
-    """A sliding window plans as a few window blocks per shard pair, the same number at 2K and
+def test_window_kernel_calls_cost_the_same_at_any_length():
+    """A sliding window is a few window blocks per shard pair, the same number at 2K and
     32K tokens, with a bounded number of host reads (no per-row `.item()`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -195,12 +195,12 @@ def test_window_plans_cost_the_same_at_any_length():
                 HostReads.count += 1
             return func(*args, **(kwargs or {}))
 
-    layout, plans = Layout(True, 2), {}
+    layout, calls = Layout(True, 2), {}
     for seq in (2048, 32768):
         mask = SequenceMask.from_positions(torch.arange(seq)[None]).with_window(256)
         HostReads.count = 0
         with HostReads():
-            plans[seq] = [
+            calls[seq] = [
                 [
                     (b.causal, b.window)
                     for b in mask.blocks((q, k), layout.local_indices(seq, q), layout.local_indices(seq, k))
@@ -209,5 +209,5 @@ def test_window_plans_cost_the_same_at_any_length():
                 for k in range(2)
             ]
         assert HostReads.count <= 8, (seq, HostReads.count)
-    assert plans[2048] == plans[32768]
-    assert max(len(pair) for pair in plans[32768]) <= 2
+    assert calls[2048] == calls[32768]
+    assert max(len(pair) for pair in calls[32768]) <= 2

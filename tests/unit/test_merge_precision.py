@@ -15,8 +15,9 @@ from easy_context.core.ring import ring_attention
 BLOCKS, BLOCK_LEN, QUERIES, HEADS, KV_HEADS, DIM = 32, 64, 128, 4, 2, 64
 
 
-class KeyBlocksPlan:
-    """One process, one ring step: each query row attends to the keys in BLOCKS separate blocks."""
+class KeyBlocksSteps:
+    """Ring steps (a ring.RingSteps) of one process, one step: each query row attends to the keys
+    in BLOCKS separate blocks."""
 
     masked = False
 
@@ -49,7 +50,7 @@ def _sdpa(q, k, v):
 
 
 def _merged(q, k, v):
-    return ring_attention(q, k, v, DIM**-0.5, KeyBlocksPlan())
+    return ring_attention(q, k, v, DIM**-0.5, KeyBlocksSteps())
 
 
 def _error(got, want):

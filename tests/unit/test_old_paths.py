@@ -82,6 +82,17 @@ def test_the_programs_package_is_the_recipes_package(old):
     assert any(issubclass(w.category, DeprecationWarning) and new.__name__ in str(w.message) for w in caught)
 
 
+def test_a_recipe_renamed_since_programs_is_found_by_its_old_name():
+    # easy_context.programs.harness is recipes.lm_eval_model (renamed: "harness" also named the benchmarks' helpers)
+    new = importlib.import_module("recipes.lm_eval_model")
+    sys.modules.pop("easy_context.programs.harness", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module("easy_context.programs.harness")
+    assert module is new
+    assert any(issubclass(w.category, DeprecationWarning) and new.__name__ in str(w.message) for w in caught)
+
+
 def test_a_name_that_never_existed_is_not_found():
     assert OldPaths().find_spec("easy_context.programs.no_such_module") is None
     with pytest.raises(ModuleNotFoundError):

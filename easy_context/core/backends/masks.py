@@ -44,7 +44,7 @@ def additive_bias(mask: torch.Tensor, dtype: torch.dtype, key_align: int = 1) ->
 @functools.lru_cache(maxsize=32)
 def band_mask(sq: int, sk: int, window: tuple[int, int], device: torch.device) -> torch.Tensor:
     """A window (left, right), masking.Block's convention, as a bool (1, 1, Sq, Sk) mask. It
-    depends on the block's shape only (plans cut the same few band shapes for every shard pair
+    depends on the block's shape only (the mask's kernel calls cut the same few band shapes for every shard pair
     and layer), so backends without a native window reuse a handful: none is built per call."""
     left, right = window
     offset = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)

@@ -78,6 +78,6 @@ def _boundaries(segments: tuple, device: torch.device) -> tuple[torch.Tensor, to
 
 
 def cu_seqlens(segments: tuple, device: torch.device) -> torch.Tensor:
-    """The documents' boundaries as flash's int32 cu_seqlens on `device`, built once per plan
-    (every layer and the backward reuse it)."""
+    """The documents' boundaries as flash's int32 cu_seqlens on `device`, built once per set of
+    kernel calls (every layer and the backward reuse it)."""
     return _boundaries(tuple(segments), device)[0]

@@ -20,7 +20,7 @@ group's (every rank of an SP group takes the same requests), and lm-eval's gathe
 copy per group. lm-eval writes results on the process whose rank is 0 and LOCAL_RANK is 0.
 
 lm-eval is an optional dependency (the `eval-harness` extra), imported only when the class is
-asked for: `register()` (eval_harness.py), or `from recipes.harness import
+asked for: `register()` (eval_harness.py), or `from recipes.lm_eval_model import
 SeqParallelLM`. The computation is a mixin without lm-eval; register() puts it in front of HFLM.
 """
 
