@@ -6,6 +6,7 @@ them. Command lines, the data pipelines, checkpoints and the repository's shippe
 
 training/      train.py's steps (run, model, batches, report) and its flags, by group, with their checks
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
+faults.py      a test hook: EASY_CONTEXT_FAULT's deterministic failures (hang, die in a save, ...)
 data/          datasets to packed rows; the embedded default corpus
 models.py      load or build a model for a supported type
 checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resume checks

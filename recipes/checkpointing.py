@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from recipes import manifest
-from recipes.launch import injected_fault
+from recipes.faults import injected_fault
 
 __all__ = [
     "CHECKPOINT_NAME",
