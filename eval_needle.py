@@ -305,4 +305,4 @@ def print_table(title: str, accuracy: dict, lengths, depths, prompts: int) -> No
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.core.groups.exit_process)

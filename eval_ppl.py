@@ -307,4 +307,4 @@ def write_outputs(args, lengths, table) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.core.groups.exit_process)

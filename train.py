@@ -38,7 +38,8 @@ from easy_context.hf.loss import global_token_mean
 from recipes import fsdp
 from recipes.checkpointing import Checkpoints, resume_record
 from recipes.configuration import values_of
-from recipes.launch import Stage, injected_fault, run_job, run_main
+from recipes.faults import injected_fault
+from recipes.launch import Stage, run_job, run_main
 from recipes.training.batches import ShardedBatches, build_data
 from recipes.training.config import TrainConfig, parse_config
 from recipes.training.model import build_model, build_optimizer, load_model  # noqa: F401
@@ -178,4 +179,4 @@ def forward_backward(run: Run, trainable, inputs, step: int, micro: int):
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.core.groups.exit_process)

@@ -8,6 +8,7 @@ training/      train.py's steps (run, model, batches, report) and its configurat
 configuration.py  settings as dataclasses -> the command line, --help and the docs' flag tables;
                the parallelism section the scripts share
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
+faults.py      a test hook: EASY_CONTEXT_FAULT's deterministic failures (hang, die in a save, ...)
 data/          datasets to packed rows; the embedded default corpus
 models.py      load or build a model for a supported type
 checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resume checks

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recipes import manifest
-from recipes.launch import injected_fault
+from recipes.faults import injected_fault
 
 if TYPE_CHECKING:
     from recipes.training.config import CheckpointConfig

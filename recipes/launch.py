@@ -6,16 +6,17 @@
 - fail / exit codes: a one-line message, and every rank leaves (no peer left waiting).
 - script_failures: a stuck or dead peer, or a refusal raised mid-run, becomes one line naming
   the step and the phase.
-- shutdown, exit_process: engines, group handles and process groups torn down in order, then
-  the process ends, so a finished run exits 0 every time.
-- injected_fault: deterministic failures for the tests of the paths above.
+- shutdown, run_main: engines, then group handles and process groups torn down in order
+  (easy_context.core.groups.destroy_groups), then the process ends with its exit code
+  (easy_context.core.groups.exit_process), so a finished run exits 0 every time.
+
+The tests' fault injector (EASY_CONTEXT_FAULT) is recipes/faults.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import os
 import sys
 from pathlib import Path
@@ -32,8 +33,6 @@ __all__ = [
     "run_job",
     "run_main",
     "shutdown",
-    "exit_process",
-    "injected_fault",
     "EXIT_BAD_INPUT",
     "EXIT_NONFINITE_LOSS",
     "EXIT_DIST_FAILURE",
@@ -175,10 +174,13 @@ def fail(script: str, message: str, code: int = EXIT_BAD_INPUT):
 
 def run_main(main) -> None:
     """A script's `__main__`: run main(), then end the process with its exit code (0, or the
-    SystemExit's), see exit_process. A SIGTERM (torchrun stopping a rank whose peer failed)
-    first prints every thread's stack: the stuck rank shows where it was."""
+    SystemExit's) without the interpreter's teardown (easy_context.core.groups.exit_process).
+    A SIGTERM (torchrun stopping a rank whose peer failed) first prints every thread's stack:
+    the stuck rank shows where it was."""
     import faulthandler
     import signal
+
+    from easy_context.core.groups import exit_process
 
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     try:
@@ -187,24 +189,6 @@ def run_main(main) -> None:
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     exit_process(code)
-
-
-def exit_process(code: int = 0):
-    """End the process with `code` after Python's own exit handlers (trackers such as wandb,
-    logging) have run, but without the interpreter's teardown.
-
-    Why: that teardown runs C++ static destructors while threads of gloo and c10d may still
-    exist, and rarely that aborts a finished run ("terminate called without an active
-    exception", SIGABRT; seen once in six DeepSpeed runs, and in our test harness even after
-    destroy_process_group). Whoever checks the exit code would call a finished run failed."""
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()  # what a normal exit would run first; the C++ teardown is what we skip
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 class Stage:
@@ -298,41 +282,13 @@ def run_job(script: str, job, dist_timeout: float, **accelerator_kwargs):
 # ------------------------------------------------------------------------------ stopping
 def shutdown(accelerator=None) -> None:
     """Stop cleanly: wait for every peer (rank 0 may still be saving), release the models and
-    the DeepSpeed engine, forget our group handles, then destroy the process groups while the
-    interpreter is fully alive. Gloo groups still referenced at interpreter exit can abort
-    the process ("terminate called without an active exception") after a finished run."""
+    the DeepSpeed engine, then the library's destroy_groups: our group handles forgotten and
+    the process groups destroyed while the interpreter is fully alive."""
+    from easy_context.core.groups import destroy_groups
+
     if accelerator is not None:
         accelerator.wait_for_everyone()
         for tracker in accelerator.trackers:
             tracker.finish()
         accelerator.free_memory()  # destroys the DeepSpeed engine too
-    import torch.distributed as dist
-
-    from easy_context.core.groups import release_groups
-
-    release_groups()
-    gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------------- testing
-def injected_fault(point: str, step: int, rank: int) -> str | None:
-    """For the tests of failure paths: EASY_CONTEXT_FAULT="point@step:rank[:value]" makes
-    `point` fire at that step on that rank (returns value, or "" when none is given).
-    Points in train.py: hang (sleep value seconds before the forward), die_in_save (the
-    process dies after writing its part of the checkpoint), pause_in_save (sleeps value
-    seconds there: a kill from outside lands inside the save), disk_full_in_save (ENOSPC
-    there), nonfinite_loss (in micro-batch `value` of the step, or in all of them). With
-    EASY_CONTEXT_FAULT_ATTEMPT=n the fault fires only in torchrun's attempt n (0: the first)."""
-    spec = os.environ.get("EASY_CONTEXT_FAULT")
-    if not spec or "@" not in spec:
-        return None
-    attempt = os.environ.get("EASY_CONTEXT_FAULT_ATTEMPT")
-    if attempt is not None and attempt != os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"):
-        return None
-    name, _, where = spec.partition("@")
-    fields = where.split(":")
-    if name != point or len(fields) < 2 or (int(fields[0]), int(fields[1])) != (step, rank):
-        return None
-    return fields[2] if len(fields) > 2 else ""
+    destroy_groups()

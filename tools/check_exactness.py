@@ -30,8 +30,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import easy_context as ec
 from easy_context.core import kernels
+from easy_context.core.groups import exit_process
 from easy_context.hf.architectures import attn_implementation
-from recipes.launch import exit_process, shutdown
+from recipes.launch import shutdown
 
 METRICS = ("logits", "loss", "grads")  # max |logits error|, |loss error|, max relative gradient error
 FP32_BOUNDS = (1e-4, 1e-5, 1e-4)

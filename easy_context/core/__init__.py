@@ -19,6 +19,7 @@ balance.py   document_split: a layout per packed row that balances the ranks' wo
              document cut, or documents placed whole by work and only the longest cut)
 groups.py    world = dp x sp, sp = ring x ulysses; process groups created once
 work_order.py  an epoch's row order with equal attention work per data-parallel group
+data_groups.py  one data stream per SP group: the rows data-parallel group g of G reads, seeded shuffling
 pieces.py    a layout's runs: the stretches of consecutive positions each rank holds
 exchange.py  the all-to-all between sequence shards and head shards, differentiable
 call_counts.py  the attention kernels' calls and (query, key) products, counted for tests

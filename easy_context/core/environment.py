@@ -42,13 +42,13 @@ VARIABLES = {
         "unset: offline",
     ),
     "EASY_CONTEXT_FAULT": (
-        "recipes/launch.py (injected_fault)",
+        "recipes/faults.py (injected_fault)",
         'test hook: "point@step:rank[:value]" fires a failure at that point of train.py (hang, die_in_save, '
         "pause_in_save, disk_full_in_save, nonfinite_loss)",
         "unset: none",
     ),
     "EASY_CONTEXT_FAULT_ATTEMPT": (
-        "recipes/launch.py (injected_fault)",
+        "recipes/faults.py (injected_fault)",
         "test hook: fire EASY_CONTEXT_FAULT only in torchrun's attempt N (0: the first)",
         "unset: every attempt",
     ),

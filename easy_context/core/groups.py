@@ -12,6 +12,10 @@ Every group comes from one cache keyed by its sorted rank list (group_for): wher
 group hold the same ranks (SP and ring when ulysses_degree is 1, SP and Ulysses when
 ring_degree is 1, any of them across topologies) they are one group object, so one
 communicator and one set of buffers. A rank list of the whole world is the default group.
+
+Clean exit, written once here: `destroy_groups` tears our groups and the process groups down in
+order, `exit_process` ends a process with its exit code without the interpreter's teardown, and
+the exit teardown (registered by get_groups) does both for a script that never asks.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ __all__ = [
     "group_for",
     "group_device",
     "release_groups",
+    "destroy_groups",
+    "exit_process",
     "world_timeout",
     "divisors",
     "register_exit_teardown",
@@ -298,6 +304,35 @@ def release_groups() -> None:
     _state = None
 
 
+def destroy_groups() -> None:
+    """Forget our group handles, collect what still holds a group (autograd graphs, modules),
+    then destroy the process groups while the interpreter is whole. Gloo groups still referenced
+    at interpreter exit can abort a finished run ("terminate called without an active
+    exception"). Call it after the last collective (and after releasing engines that hold groups,
+    such as DeepSpeed's); recipes.launch.shutdown and the exit teardown below do."""
+    release_groups()
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_process(code: int = 0):
+    """End the process with `code` after Python's own exit handlers (trackers such as wandb,
+    logging, and the exit teardown below when registered) have run, but without the
+    interpreter's teardown: the streams are flushed, then _exit.
+
+    Why: that teardown runs C++ static destructors while threads of gloo and c10d may still
+    exist, and rarely that aborts a finished run ("terminate called without an active
+    exception", SIGABRT; seen once in six DeepSpeed runs, and in our test harness even after
+    destroy_process_group). Whoever checks the exit code would call a finished run failed."""
+    try:
+        atexit._run_exitfuncs()  # what a normal exit would run first; the C++ teardown is what we skip
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 # ------------------------------------------------------------------------ exit teardown
 # A script that ends without tearing distributed state down (a plain Trainer script, a custom
 # loop) leaves gloo and c10d threads alive into the interpreter's teardown, and the C++
@@ -305,8 +340,8 @@ def release_groups() -> None:
 # exception", about 1 run in 24 on gloo): torchrun then reports a failure. So, once the patch
 # is applied (or prepare_trainer called) in a distributed process, we tear down at exit
 # ourselves, in three steps:
-#   1. a Python exit handler: forget our group handles and destroy the process groups while the
-#      interpreter is whole (what launch.shutdown does for our own scripts);
+#   1. a Python exit handler: destroy_groups, while the interpreter is whole (what a script that
+#      calls destroy_groups itself, through recipes.launch.shutdown, has done already);
 #   1b. wait (GIL released, at most 5 s) until no gloo worker thread is running: a process
 #      group still referenced (by DDP, say) keeps its workers alive through destroy_process_group,
 #      and a worker that drops a finished op's tensors after Python starts finalizing needs the
@@ -321,6 +356,8 @@ def release_groups() -> None:
 #      step 1, at exit: C exit handlers run last-registered first, and the function-local
 #      statics that gloo and c10d create during training register their destructors when
 #      first used, so a registration made any earlier would run after them.
+# A script that knows its exit code ends through exit_process instead (recipes.launch.run_main):
+# it runs these handlers, then _exit(code) skips the same destructors at once.
 # EASY_CONTEXT_EXIT_TEARDOWN=0 turns all three off.
 _teardown_registered = False
 
@@ -337,13 +374,10 @@ def register_exit_teardown() -> None:
 
 
 def _teardown() -> None:
-    release_groups()
-    gc.collect()  # autograd graphs and modules that still hold a group
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as error:  # a peer already gone: nothing left to release in order
-            print(f"easy_context: destroy_process_group at exit failed ({error})", file=sys.stderr)
+    try:
+        destroy_groups()
+    except Exception as error:  # a peer already gone: nothing left to release in order
+        print(f"easy_context: destroy_process_group at exit failed ({error})", file=sys.stderr)
     _let_gloo_workers_finish()
     _skip_cxx_static_destructors_at_exit()
 

@@ -17,8 +17,9 @@ epoch trains on exactly the rows the plain random order trains on. It is a pure 
 its arguments, so a resumed run reads what the uninterrupted run would have read.
 
 train.py reads its rows through it (--data-order balanced); `WorkBalancedSampler` is the same
-order as a torch sampler, for loaders that deal batch i to DP group i % dp_size (accelerate's,
-and so the HF Trainer's under prepare_trainer(..., balance_work=True)).
+order as a torch sampler, for loaders that deal batch i to DP group i % dp_size (the rule of
+core/data_groups.py: accelerate's, and so the HF Trainer's under prepare_trainer(...,
+balance_work=True)).
 """
 
 from __future__ import annotations

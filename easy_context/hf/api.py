@@ -81,7 +81,8 @@ def prepare_seq_parallel_inputs(
 def prepare_dataloader(mode: str, dataloader, accelerator, **options):
     """data_parallel: the accelerator shards batches over all ranks. Sequence-parallel modes:
     batches are split over the data-parallel groups only (every rank of an SP group reads
-    the same full sequences and keeps its share through prepare_seq_parallel_inputs)."""
+    the same full sequences and keeps its share through prepare_seq_parallel_inputs); a
+    shuffling sampler without a generator gets one seeded alike on every rank."""
     return context_for("prepare_dataloader", mode, options).dataloader(dataloader, accelerator)
 
 

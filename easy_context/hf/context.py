@@ -14,12 +14,12 @@ functions (hf/api.py) find the context of a call with `context_for` and delegate
 from __future__ import annotations
 
 import contextlib
-import itertools
 import warnings
 
 import torch
 
 from easy_context.core import collectives
+from easy_context.core.data_groups import DataParallelShard, seed_shuffling
 from easy_context.core.global_mask import check_padding
 from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get_groups, ranks_per_node
 from easy_context.core.layout import RowLayout, check_document_split_value
@@ -212,9 +212,12 @@ class SequenceParallel:
     def dataloader(self, dataloader, accelerator):
         """data_parallel: the accelerator shards batches over all ranks. Sequence-parallel modes:
         batches are split over the data-parallel groups only (every rank of an SP group reads the
-        same full sequences and keeps its share through shard)."""
+        same full sequences and keeps its share through shard), by core/data_groups.py's rule; a
+        shuffling sampler without a generator gets one seeded alike on every rank (the
+        accelerator's data_seed, else the process's initial seed)."""
         if not self.sequence_parallel:
             return accelerator.prepare(dataloader)
+        seed_shuffling(dataloader, getattr(getattr(accelerator, "dataloader_config", None), "data_seed", None))
         world = getattr(accelerator, "num_processes", collectives.world_size())
         topology = self.topology(world)
         if topology.dp_size == 1:
@@ -280,24 +283,6 @@ def _split_index(mode, topology, position_ids, attention_mask, sp_rank, split) -
         position_ids, attention_mask, topology.ring_degree, topology.ulysses_degree, zigzag, split
     )
     return layout.local_indices(sp_rank).to(position_ids.device)
-
-
-class DataParallelShard:
-    """Batch i of the wrapped loader goes to data-parallel group i % dp_size.
-
-    Every rank of one SP group reads the same batches; all groups get the same number of
-    batches (the tail that does not divide is dropped) so no group waits on another.
-    """
-
-    def __init__(self, loader, dp_rank: int, dp_size: int):
-        self.loader, self.dp_rank, self.dp_size = loader, dp_rank, dp_size
-
-    def __len__(self) -> int:
-        return len(self.loader) // self.dp_size
-
-    def __iter__(self):
-        stop = len(self) * self.dp_size if hasattr(self.loader, "__len__") else None
-        return itertools.islice(self.loader, self.dp_rank, stop, self.dp_size)
 
 
 def model_heads(model_or_config) -> tuple:

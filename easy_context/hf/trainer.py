@@ -7,8 +7,9 @@ The trainer keeps doing everything it does (DDP or DeepSpeed, gradient accumulat
 evaluation, checkpoints, resume); four things change, each for a reason:
 
   data     Every rank of an SP group must read the same batches, and the data-parallel
-           groups different ones. The trainer's dataloaders are prepared by accelerate as
-           for dp_size processes, with this rank's dp_rank.
+           groups different ones (core/data_groups.py's rule). The trainer's dataloaders are
+           prepared by accelerate as for dp_size processes, with this rank's dp_rank, their
+           shuffling seeded alike on every rank.
   batches  compute_loss keeps this rank's share of each batch (prepare_seq_parallel_inputs).
            The labels are shifted first: shifting a shard would pair tokens across shard
            boundaries. Rows are padded internally (masked, label -100) to a length the
@@ -43,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from easy_context.core import collectives
+from easy_context.core.data_groups import seed_shuffling
 from easy_context.core.groups import get_groups
 from easy_context.core.work_order import WorkBalancedSampler, document_products
 from easy_context.hf import replicas
@@ -335,7 +337,11 @@ class _Batches:
 
 def _read_by_sp_group(trainer, topology) -> None:
     """The trainer's dataloaders, prepared by accelerate as if there were dp_size processes:
-    batch i goes to data-parallel group i % dp_size, read by every rank of the group."""
+    batch i goes to data-parallel group i % dp_size, read by every rank of the group
+    (core/data_groups.py's rule, which accelerate deals by). Shuffling is seeded as accelerate
+    seeds it (data_seed, else the process seed): accelerate synchronises a sampler's random
+    state only across the processes it shards over (or replaces a RandomSampler by its seeded
+    one), so the ranks of an SP group would otherwise draw their own orders."""
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import IterableDataset
 
@@ -352,7 +358,7 @@ def _read_by_sp_group(trainer, topology) -> None:
                     "prepare_trainer: an IterableDataset (streaming) with several data-parallel groups "
                     f"(dp_size={topology.dp_size}) is not supported; use a map-style dataset or sp_size = world size"
                 )
-            _seed_shuffling(data_loader, accelerator)
+            seed_shuffling(data_loader, accelerator.dataloader_config.data_seed)
             _seed_workers_by_group(data_loader, dp_rank)
             data_loader = prepare_data_loader(
                 data_loader,
@@ -373,17 +379,6 @@ def _read_by_sp_group(trainer, topology) -> None:
         return register(data_loader)
 
     accelerator.prepare_data_loader = prepare_for_sp_groups
-
-
-def _seed_shuffling(data_loader, accelerator) -> None:
-    """Every rank of an SP group must draw the same order. A sampler without a generator
-    draws its order from the process's own random state; accelerate synchronises that only
-    across the processes it shards over (or replaces a RandomSampler by its seeded one), so
-    give it a generator seeded as accelerate seeds: data_seed, else the process seed."""
-    sampler = getattr(getattr(data_loader, "batch_sampler", None), "sampler", None)
-    if sampler is not None and hasattr(sampler, "generator") and sampler.generator is None:
-        seed = accelerator.dataloader_config.data_seed
-        sampler.generator = torch.Generator().manual_seed(torch.random.initial_seed() if seed is None else seed)
 
 
 def _seed_workers_by_group(data_loader, dp_rank: int) -> None:

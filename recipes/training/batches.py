@@ -102,19 +102,20 @@ def balanced_order(rows, seed: int, dp_size: int, batch_size: int) -> torch.Tens
 
 def micro_batch(rows, index: int, batch_size: int, dp_rank: int, dp_size: int, seed: int, balanced=False):
     """Micro-batch `index` of data-parallel group `dp_rank`: a pure function of its arguments,
-    so a resumed run reads exactly what the uninterrupted run would have read. `balanced`: the
-    epoch's order gives the DP groups of a step rows of equal attention work (rows that know
-    their documents: PackedRows)."""
+    so a resumed run reads exactly what the uninterrupted run would have read. The epoch's
+    order is dealt to the DP groups batch by batch (easy_context.core.data_groups: batch i to
+    group i % dp_size, the tail dropped). `balanced`: the epoch's order gives the DP groups of a
+    step rows of equal attention work (rows that know their documents: PackedRows)."""
+    from easy_context.core.data_groups import batches_per_group, group_rows
+
     if isinstance(rows, StreamedRows):  # in stream order; each DP group streams its own part
         return rows.read(index * batch_size, batch_size)
-    per_epoch = len(rows) // (batch_size * dp_size)
-    epoch, within = divmod(index, per_epoch)
+    epoch, within = divmod(index, batches_per_group(len(rows) // batch_size, dp_size))
     if balanced:
         order = balanced_order(rows, seed + epoch, dp_size, batch_size)
     else:
         order = epoch_order(len(rows), seed + epoch)
-    start = (within * dp_size + dp_rank) * batch_size
-    return rows[order[start : start + batch_size]]
+    return rows[group_rows(order, within, dp_rank, dp_size, batch_size)]
 
 
 class ShardedBatches:

@@ -2,7 +2,7 @@
 a save killed midway never becomes `latest`, a full disk in a save stops every rank with one
 line, a non-finite loss stops training (or is skipped),
 and our process groups inherit the script's timeout. Failures are made deterministic with
-EASY_CONTEXT_FAULT (recipes.launch.injected_fault)."""
+EASY_CONTEXT_FAULT (recipes.faults.injected_fault)."""
 
 import datetime
 import json
