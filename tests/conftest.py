@@ -59,6 +59,7 @@ NUMERIC = {
     "test_flex_kernel",
     "test_fsdp",
     "test_generation",
+    "test_grpo_trainer",
     "test_gpu_check",
     "test_harness",
     "test_hybrids",

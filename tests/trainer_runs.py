@@ -1,5 +1,6 @@
 """One HF Trainer run on tiny data, for tests/distributed/test_trainer.py (importable by spawned ranks);
-`train_dpo`: TRL's DPOTrainer runs for tests/distributed/test_dpo_trainer.py.
+`train_dpo`: TRL's DPOTrainer runs for tests/distributed/test_dpo_trainer.py; `train_grpo`: TRL's
+GRPOTrainer runs for tests/distributed/test_grpo_trainer.py.
 
 `train(rank, world, spec)` trains a tiny Llama with transformers.Trainer (or TRL's
 SFTTrainer) and returns the per-step losses, the eval loss and the final weights. With
@@ -315,4 +316,99 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         train_logs = [log for log in records if "loss" in log]
         results.append({"logs": train_logs, "eval_loss": eval_loss, "weights": weights})
+    return results
+
+
+def grpo_prompts(count: int, seed: int) -> dict:
+    """Text prompts of 3-40 bytes (left-padded to different lengths in a batch)."""
+    rng = random.Random(seed)
+    letters = "abcdefghij klmnop"
+    return {"prompt": ["".join(rng.choice(letters) for _ in range(rng.randrange(3, 40))) for _ in range(count)]}
+
+
+def byte_reward(completions, completion_ids, **kwargs) -> list[float]:
+    """A rule-based reward: the mean of each completion's token ids mod 7 (varies within a group)."""
+    return [sum(i % 7 for i in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def save_grpo_policy(folder: str) -> None:
+    """The tiny Llama on disk: GRPOTrainer builds its reference model from the policy's path. Every
+    8th byte also ends a completion (TRL reads the model's eos ids), so completions have different
+    lengths and are right-padded."""
+    model = tiny_llama()
+    model.generation_config.eos_token_id = [256, *range(0, 256, 8)]
+    model.save_pretrained(folder)
+
+
+def train_grpo(rank: int, world: int, spec: dict) -> list:
+    """TRL's GRPOTrainer for each of spec["configs"] (GRPOConfig fields as (name, value) pairs), one
+    after the other, sampling on: per-step losses and logged metrics, every rank's completions
+    (token ids, as the reward function got them), the gradients of the first step and the
+    weights after the steps. spec["mode"] None: the unpatched reference in one process."""
+    _as_distributed(rank, world)
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import easy_context as ec
+
+    class Record(TrainerCallback):
+        def __init__(self, logs, grads):
+            self.logs, self.grads = logs, grads
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if not self.grads:
+                grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+                self.grads.update(grads)
+
+    results = []
+    for extra in spec["configs"]:
+        logs, grads, drawn = [], {}, []
+
+        def reward(completions, completion_ids, drawn=drawn, **kwargs):
+            drawn.append([list(ids) for ids in completion_ids])
+            return byte_reward(completions, completion_ids)
+
+        reward.__name__ = "byte_reward"
+        with tempfile.TemporaryDirectory() as out:
+            config = GRPOConfig(
+                output_dir=out,
+                per_device_train_batch_size=4,
+                num_generations=4,
+                max_completion_length=10,
+                learning_rate=0.1,
+                optim="sgd",
+                lr_scheduler_type="constant",
+                logging_steps=1,
+                save_strategy="no",
+                report_to=[],
+                use_cpu=True,
+                seed=7,
+                disable_tqdm=True,
+                bf16=False,  # GRPOConfig defaults to bf16; its gradient checkpointing stays on (its default)
+                max_grad_norm=0.0,  # no clipping: the gradients compared are the loss's own
+                model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
+                **{"max_steps": 2, **dict(extra)},
+            )
+            trainer = GRPOTrainer(
+                model=spec["policy"],  # save_grpo_policy's folder: with beta > 0 TRL loads its reference from it
+                reward_funcs=reward,
+                args=config,
+                train_dataset=Dataset.from_dict(grpo_prompts(8, seed=5)),
+                processing_class=tokenizer("left"),
+                callbacks=[Record(logs, grads)],
+            )
+            if spec["mode"] is not None:
+                ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
+            trainer.train()
+            ec.remove_seq_parallel_monkey_patch()
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        train_logs = [log for log in logs if "loss" in log]
+        results.append({"logs": train_logs, "grads": grads, "weights": weights, "completions": drawn})
     return results

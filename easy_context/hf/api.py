@@ -98,9 +98,9 @@ def gather_seq_parallel_outputs(
 
 
 def prepare_trainer(mode: str, trainer, balance_work=False, **options):
-    """Make a transformers.Trainer, TRL's SFTTrainer or TRL's DPOTrainer train `mode`.
+    """Make a transformers.Trainer, or TRL's SFTTrainer, DPOTrainer or GRPOTrainer, train `mode`.
 
-    Other trainer classes that override the loss or the inputs (TRL's GRPO, RLOO, KTO, ...)
+    Other trainer classes that override the loss or the inputs (TRL's RLOO, KTO, ORPO, ...)
     are refused by name (hf/trainer_admission.py: SUPPORTED_TRAINERS, LOSS_AND_INPUT_METHODS).
 
     Call it after creating the trainer and before trainer.train(); every rank calls it.

@@ -24,6 +24,9 @@ type and WPO average over tokens, the metrics count them), and B x S floats per 
 nothing next to a forward. The backward of the all-reduce sums the ranks' gradients (each
 the same, as every rank computes the same loss), P x this rank's share; DDP then averages
 over the P ranks, which gives the one-process gradient.
+
+GRPOTrainer scores its completions through the same fused head (hf/rl.py reuses
+wrap_fused_forward for the policy, old-policy and reference forwards).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-__all__ = ["DPOSeqParallelMixin", "prepare_dpo", "is_dpo_trainer"]
+__all__ = ["DPOSeqParallelMixin", "prepare_dpo", "is_dpo_trainer", "wrap_fused_forward", "sum_over_group"]
 
 # FusedCausalLMOutput's per-token fields, all-reduced to whole rows; loss is recomputed on them.
 PER_TOKEN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -85,21 +88,21 @@ def prepare_dpo(trainer, batches) -> None:
     model = trainer.model
     if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
         model = model.get_base_model()  # where TRL put its fused head
-    _wrap_fused_forward(model, batches)
+    wrap_fused_forward(model, batches)
     if trainer.ref_model is not None:
-        _wrap_fused_forward(trainer.accelerator.unwrap_model(trainer.ref_model), batches)
+        wrap_fused_forward(trainer.accelerator.unwrap_model(trainer.ref_model), batches)
     # TRL divides its token count (gathered over every process) by the ranks that read the same
     # batch, which it knows for tensor parallelism; an SP group's ranks read the same batch too.
     trainer._tp_size = getattr(trainer, "_tp_size", 1) * batches.topology.sp_size
 
 
-def _wrap_fused_forward(model, batches) -> None:
+def wrap_fused_forward(model, batches) -> None:
     fused = model.forward
     if getattr(fused, "_easy_context_sharded", False):
         return
     if "forward" not in vars(model):
         raise ValueError(
-            f"prepare_trainer: {type(model).__name__} has no fused LM head from DPOTrainer "
+            f"prepare_trainer: {type(model).__name__} has no fused LM head from TRL's trainer "
             "(trl.trainer.utils.add_fused_lm_head); build the trainer with TRL >= 1.16"
         )
 
@@ -115,15 +118,15 @@ def _wrap_fused_forward(model, batches) -> None:
 
 def _sharded_fused_forward(fused, batches, args, kwargs):
     if args:
-        raise ValueError("prepare_trainer: DPOTrainer's fused forward was called with positional arguments")
+        raise ValueError("prepare_trainer: TRL's fused forward was called with positional arguments")
     labels = kwargs.pop("labels", None)
     if labels is None or kwargs.get("shift_labels") is not None:
-        raise ValueError("prepare_trainer: DPOTrainer's fused forward needs whole-row labels (no shift_labels)")
+        raise ValueError("prepare_trainer: TRL's fused forward needs whole-row labels (no shift_labels)")
     if kwargs.get("output_router_logits"):
-        raise ValueError("prepare_trainer: the MoE router auxiliary loss is not supported under DPOTrainer")
+        raise ValueError("prepare_trainer: the MoE router auxiliary loss is not supported under TRL's DPO / GRPO")
     rows = {name: kwargs.pop(name) for name in ("input_ids", "attention_mask", "position_ids") if name in kwargs}
     if kwargs.get("inputs_embeds") is not None:
-        raise ValueError("prepare_trainer: DPOTrainer batches need input_ids (inputs_embeds are not sharded)")
+        raise ValueError("prepare_trainer: TRL's fused forward needs input_ids (inputs_embeds are not sharded)")
     local, length = batches.shard({**rows, "labels": labels})
     targets = local.pop("labels")
     del local["shift_labels"]

@@ -285,6 +285,16 @@ def test_dpo_example(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_grpo_example(tmp_path):
+    """examples/grpo.py: TRL's GRPOTrainer, one step on 2 CPU processes (zigzag_ring_attn: the
+    rollout by sharded generation, the log-prob forwards sharded). Its exactness is
+    tests/distributed/test_grpo_trainer.py's."""
+    flags = ("--max-steps", "1", "--completion-tokens", "8", "--output-dir", str(tmp_path))
+    out = run_example("grpo.py", 2, *flags, timeout=110)
+    assert "'train_loss'" in out.stdout
+
+
+@pytest.mark.timeout(120)
 def test_the_training_loop_example_equals_one_process():
     """examples/training_loop.py (the docs' and the README's custom loop): its losses at 2 ranks
     (zigzag_ring_attn) equal those of one unpatched process on the whole sequence."""

@@ -1,6 +1,6 @@
-"""prepare_trainer accepts only the trainers proven exact (transformers.Trainer, TRL's SFTTrainer
-and DPOTrainer) and their subclasses that leave the loss and the inputs alone; any other
-trainer (TRL's GRPO, RLOO, KTO, Reward, ... or a subclass with its own compute_loss) is
+"""prepare_trainer accepts only the trainers proven exact (transformers.Trainer, TRL's SFTTrainer,
+DPOTrainer and GRPOTrainer) and their subclasses that leave the loss and the inputs alone; any other
+trainer (TRL's RLOO, KTO, Reward, ... or a subclass with its own compute_loss) is
 refused, naming the class and what is supported (issue 60: the class was not checked, and a
 trainer computing its own loss from its own inputs got the SFT sharding in front of it)."""
 
@@ -43,7 +43,7 @@ def test_trainers_that_bring_their_own_loss_or_inputs_are_refused_by_name(tmp_pa
             ec.prepare_trainer("zigzag_ring_attn", _trainer(OwnLossTrainer, tmp_path))
         message = str(caught.value)
         assert "OwnLossTrainer (a subclass of transformers.Trainer) overrides ['compute_loss']" in message
-        assert "'trl.DPOTrainer', 'trl.SFTTrainer', 'transformers.Trainer'" in message
+        assert "'trl.DPOTrainer', 'trl.GRPOTrainer', 'trl.SFTTrainer', 'transformers.Trainer'" in message
         trainer = _trainer(LoggingTrainer, tmp_path)
         trainer.add_callback(TrainerCallback())
         assert ec.prepare_trainer("zigzag_ring_attn", trainer) is trainer
@@ -59,14 +59,39 @@ def test_trl_trainers_not_proven_are_refused_and_the_proven_ones_accepted():
 
     from easy_context.hf.trainer_admission import check_trainer_class
 
-    for name in ("GRPOTrainer", "RLOOTrainer", "KTOTrainer", "RewardTrainer"):
+    for name in ("RLOOTrainer", "KTOTrainer", "RewardTrainer"):
         with pytest.raises(ValueError, match=f"prepare_trainer: {name} .*overrides .*compute_loss"):
             check_trainer_class(getattr(trl, name))
+    own_rewards = type("OwnRewards", (trl.GRPOTrainer,), {"_calculate_rewards": lambda self, *a: None})
+    overrides = r"OwnRewards \(a subclass of trl.GRPOTrainer\) overrides \['_calculate_rewards'\]"
+    with pytest.raises(ValueError, match=overrides):
+        check_trainer_class(own_rewards)
     from trl.experimental.gkd import GKDTrainer  # an SFTTrainer with its own loss
 
     with pytest.raises(ValueError, match=r"GKDTrainer \(a subclass of trl.SFTTrainer\) overrides"):
         check_trainer_class(GKDTrainer)
-    for cls in (Trainer, trl.SFTTrainer, trl.DPOTrainer, type("Tagged", (trl.DPOTrainer,), {"_tag_names": ["x"]})):
+    for cls in (
+        Trainer,
+        trl.SFTTrainer,
+        trl.DPOTrainer,
+        trl.GRPOTrainer,
+        type("Tagged", (trl.DPOTrainer,), {"_tag_names": ["x"]}),
+    ):
         check_trainer_class(cls)
     with pytest.raises(ValueError, match="prepare_trainer: object is not a transformers.Trainer"):
         check_trainer_class(object)
+
+
+def test_grpo_rollouts_that_cannot_be_shared_over_a_group_are_refused():
+    """A vLLM rollout (server or colocate) generates per process: refused, naming what works."""
+    from types import SimpleNamespace
+
+    from easy_context.hf.rl import check_grpo_trainer
+
+    vllm = SimpleNamespace(args=SimpleNamespace(use_vllm=True), use_vllm=True)
+    with pytest.raises(ValueError, match=r"use_vllm=True .*Use use_vllm=False: TRL's transformers generation"):
+        check_grpo_trainer(vllm)
+    tools = SimpleNamespace(args=SimpleNamespace(use_vllm=False), use_vllm=False, tools=[print])
+    with pytest.raises(ValueError, match="GRPOTrainer with tools / environment_factory"):
+        check_grpo_trainer(tools)
+    check_grpo_trainer(SimpleNamespace(args=SimpleNamespace(use_vllm=False), use_vllm=False))

@@ -1,0 +1,112 @@
+"""prepare_trainer(mode, grpo_trainer): TRL's GRPOTrainer at 2 ranks (one SP group) trains as the
+unpatched GRPOTrainer in one process, sampling on: the completions (drawn by easy_context's
+sharded generation, from SP rank 0's random state) are the same on both ranks and the same as
+the one process's, and given them the per-step losses, every logged metric (rewards, KL,
+entropy, clip ratios, completion lengths, token counts), every parameter's gradient at the first
+step and the weights after the steps equal the one process's. Prompts of 3-40 bytes are
+left-padded and completions end at different lengths (every 8th byte is an EOS), so rows are
+padded at both ends; beta > 0 runs the reference model sharded, num_iterations=2 the old
+policy's forward and the clipping; the loss types and options below cover the sequence-level
+importance weights, the batch std of rewards and the entropy mask's gathered quantile.
+
+fp32 tolerances as test_dpo_trainer.py's: losses 2e-5 (relative above 1; measured 1.2e-7), the
+logged metrics 5e-5 (measured 2e-7; grad_norm among them), gradients 1e-6 (measured 9e-8; not
+clipped: max_grad_norm=0) and weights 1e-6 after SGD steps of lr 0.1 (measured 1.2e-7).
+GRPOConfig's bf16 default is set off; its gradient checkpointing stays on. Without the all-reduce
+of per-token rows (hf/preference.py's sum_over_group replaced by the identity) the dapo run fails
+at once: step-2 loss 0.262 against 0.217, first-step gradients off by 0.10, weights by 1e-2. The
+unpatched GRPOTrainer under the patch (apply_seq_parallel_monkey_patch alone) fails at its first
+rollout: transformers' generate runs the sharded attention on whole prompt rows ("sequence
+length 38 is not divisible by 4, which the zigzag ring x2 layout over 2 ranks needs").
+"""
+
+import functools
+import tempfile
+
+import pytest
+from ranks import run_ranks
+from trainer_runs import save_grpo_policy, train_grpo
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
+
+LOSS_TOL, METRIC_TOL, GRAD_TOL, WEIGHT_TOL = 2e-5, 5e-5, 1e-6, 1e-6
+IGNORED = ("step_time",)  # wall-clock time
+# GRPOConfig fields as (name, value) pairs, one trainer run each.
+CLIPPED_KL = (("loss_type", "dapo"), ("beta", 0.1), ("num_iterations", 2))  # TRL's default loss type
+CONFIGS = {
+    "zigzag_ring_attn": (
+        CLIPPED_KL,
+        (("loss_type", "grpo"), ("scale_rewards", "batch"), ("top_entropy_quantile", 0.5), ("max_steps", 3)),
+    ),
+    "ulysses_attn": (
+        CLIPPED_KL,
+        (("loss_type", "bnpo"), ("beta", 0.05), ("importance_sampling_level", "sequence"), ("num_iterations", 2)),
+        (("loss_type", "cispo"), ("num_iterations", 2)),
+        (("loss_type", "sapo"), ("num_iterations", 2)),
+        (("loss_type", "dr_grpo"), ("beta", 0.1)),
+    ),
+    "dist_flash_attn": (CLIPPED_KL,),
+}
+
+
+def _run(world: int, mode, configs, **options) -> list:
+    with tempfile.TemporaryDirectory() as folder:
+        save_grpo_policy(f"{folder}/policy")
+        spec = dict(mode=mode, configs=[list(c) for c in configs], policy=f"{folder}/policy", options=options)
+        return run_ranks(train_grpo, world, spec, timeout=200)
+
+
+@functools.cache
+def _references() -> dict:
+    every = tuple(dict.fromkeys(c for configs in CONFIGS.values() for c in configs))
+    return dict(zip(every, _run(1, None, every)[0]))
+
+
+def _off(value: float, reference: float) -> float:
+    """The difference, relative to the reference where it is above 1."""
+    return abs(value - reference) / max(1.0, abs(reference))
+
+
+def _assert_exact(results: list, configs, mode: str) -> None:
+    assert len(results) == 2
+    for index, config in enumerate(configs):
+        label, expected = f"{mode} {dict(config)}", _references()[config]
+        runs = [rank_runs[index] for rank_runs in results]
+        # (a) one draw per SP group, and (b) the one process's completions
+        assert runs[0]["completions"] == runs[1]["completions"], f"{label}: the SP group's ranks drew differently"
+        assert runs[0]["completions"] == expected["completions"], f"{label}: completions differ from one process's"
+        for rank, result in enumerate(runs):
+            got, want = result["logs"], expected["logs"]
+            assert len(got) == len(want) > 0 and [sorted(g) for g in got] == [sorted(w) for w in want], (label, got)
+            loss = max(_off(a["loss"], b["loss"]) for a, b in zip(got, want))
+            metrics = max(
+                _off(a[k], b[k]) for a, b in zip(got, want) for k in b if k not in IGNORED and b[k] is not None
+            )
+            grads = max((result["grads"][k] - g).abs().max().item() for k, g in expected["grads"].items())
+            weights = max((result["weights"][k] - w).abs().max().item() for k, w in expected["weights"].items())
+            assert set(result["grads"]) == set(expected["grads"]) and expected["grads"], label
+            print(
+                f"DIFFERENCES rank {rank} {label}: loss {loss:.1e} metrics {metrics:.1e} grads {grads:.1e} "
+                f"weights {weights:.1e}"
+            )
+            assert loss <= LOSS_TOL and metrics <= METRIC_TOL and grads <= GRAD_TOL and weights <= WEIGHT_TOL, (
+                f"rank {rank} {label}: loss {loss:.2e}, metrics {metrics:.2e}, grads {grads:.2e}, "
+                f"weights {weights:.2e}; losses {[a['loss'] for a in got]} vs {[b['loss'] for b in want]}"
+            )
+
+
+@pytest.mark.timeout(420)
+def test_grpo_trainer_matches_single_process():
+    """zigzag_ring_attn, ulysses_attn and dist_flash_attn at 2 ranks: TRL 1.16's loss types dapo
+    (with the KL term and 2 iterations per generation), grpo, bnpo (sequence-level importance
+    weights), cispo, sapo and dr_grpo."""
+    for mode, configs in CONFIGS.items():
+        _assert_exact(_run(2, mode, configs), configs, mode)
+
+
+@pytest.mark.timeout(120)
+def test_grpo_data_parallel_groups_draw_their_own_completions():
+    """sp_size=1 at 2 ranks: two data-parallel groups of one rank, each with its own prompts and
+    completions (the group's shared draw does not make the groups alike)."""
+    results = _run(2, "zigzag_ring_attn", (CLIPPED_KL,), sp_size=1)
+    assert results[0][0]["completions"] != results[1][0]["completions"]
