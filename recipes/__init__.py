@@ -7,6 +7,8 @@ them. Command lines, the data pipelines, checkpoints and the repository's shippe
 training/      train.py's steps (run, model, batches, report) and its configuration (config.py)
 configuration.py  settings as dataclasses -> the command line, --help and the docs' flag tables;
                the parallelism section the scripts share
+evaluation_config.py  the eval scripts' and tools/generate.py's settings (NeedleConfig, ...),
+               their shared sections declared once
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
 faults.py      a test hook: EASY_CONTEXT_FAULT's deterministic failures (hang, die in a save, ...)
 data/          datasets to packed rows; the embedded default corpus

@@ -7,7 +7,8 @@ returning a refusal or None. A job's configuration is a dataclass of sections, o
 field: --seq-length for seq_length; a bool is a switch), `parse` reads a command line into the
 sections and runs every check, joining the failures into one `<script>: error:` line (exit 2).
 Old spellings stay as aliases that warn (`option(..., aliases=("--parallel_mode",))`) until
-ALIASES_REMOVED.
+ALIASES_REMOVED. A field another job shares is declared once and reused (`same_as`); the eval
+scripts' configurations: evaluation_config.py.
 
 Why not transformers' HfArgumentParser: it adds `--seq_length` beside `--seq-length`, gives each
 switch an optional value, and has no flag whose value is optional (`--balance-documents
@@ -33,6 +34,7 @@ __all__ = [
     "ALIASES_REMOVED",
     "Check",
     "option",
+    "same_as",
     "flag_of",
     "dest_of",
     "at_least",
@@ -52,11 +54,26 @@ ALIASES_REMOVED = "2027-06-01"
 Check = Callable[[str, object, SimpleNamespace], "str | None"]  # (flag, its value, every setting) -> refusal
 
 
-def option(default, doc: str = "", check: Check | None = None, aliases: tuple[str, ...] = (), **argparse_options):
-    """A setting: its default, its doc, its check; `argparse_options` (choices, metavar, nargs,
-    const, type) only where the field's type does not say it."""
-    metadata = {"doc": doc, "check": check, "aliases": aliases, "argparse": argparse_options}
+def option(
+    default,
+    doc: str = "",
+    check: Check | None = None,
+    aliases: tuple[str, ...] = (),
+    short: str | None = None,
+    **argparse_options,
+):
+    """A setting: its default, its doc, its check; `short` a one-letter spelling beside the flag
+    (-m for --model); `argparse_options` (choices, metavar, nargs, const, type, action) only where
+    the field's type does not say it."""
+    metadata = {"doc": doc, "check": check, "aliases": aliases, "short": short, "argparse": argparse_options}
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def same_as(section: type, name: str):
+    """Another section's field as it is (default, doc, check, spellings): one declaration for a
+    setting several jobs share."""
+    field = next(f for f in dataclasses.fields(section) if f.name == name)
+    return dataclasses.field(default=field.default, metadata=field.metadata)
 
 
 def flag_of(name: str) -> str:
@@ -100,18 +117,32 @@ def _argparse_options(cls, field: dataclasses.Field) -> dict:
     return options
 
 
+def _warn_if_old(action: argparse.Action, parser, option_string) -> None:
+    if option_string in action.old_spellings:
+        new = next(s for s in action.option_strings if s.startswith("--") and s not in action.old_spellings)
+        print(
+            f"{parser.prog}: warning: {option_string} is now {new} (the old spelling goes on {ALIASES_REMOVED})",
+            file=sys.stderr,
+        )
+
+
 class _OldSpellingWarns(argparse._StoreAction):
     """A valued flag whose old spelling still works, with a warning on stderr."""
 
     old_spellings: tuple[str, ...] = ()
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if option_string in self.old_spellings:
-            new = next(s for s in self.option_strings if s not in self.old_spellings)
-            print(
-                f"{parser.prog}: warning: {option_string} is now {new} (the old spelling goes on {ALIASES_REMOVED})",
-                file=sys.stderr,
-            )
+        _warn_if_old(self, parser, option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _OldSwitchSpellingWarns(argparse._StoreTrueAction):
+    """A switch whose old spelling still works, with the same warning."""
+
+    old_spellings: tuple[str, ...] = ()
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _warn_if_old(self, parser, option_string)
         super().__call__(parser, namespace, values, option_string)
 
 
@@ -123,11 +154,13 @@ def add_flags(parser: argparse.ArgumentParser, sections: Iterable[type], only: I
         group = parser.add_argument_group(cls.title)
         for field in dataclasses.fields(cls):
             if wanted is None or field.name in wanted:
-                aliases = field.metadata.get("aliases", ())
+                aliases, short = field.metadata.get("aliases", ()), field.metadata.get("short")
                 options = _argparse_options(cls, field)
                 if aliases:
-                    options["action"] = _OldSpellingWarns
-                action = group.add_argument(flag_of(field.name), *aliases, dest=field.name, **options)
+                    switch = options.get("action") == "store_true"
+                    options["action"] = _OldSwitchSpellingWarns if switch else _OldSpellingWarns
+                spellings = ([short] if short else []) + [flag_of(field.name), *aliases]
+                action = group.add_argument(*spellings, dest=field.name, **options)
                 action.old_spellings = aliases
 
 
@@ -183,11 +216,13 @@ def flag_table(sections: Mapping[str, type] | Iterable[type]) -> str:
         for field in dataclasses.fields(cls):
             options = field.metadata.get("argparse", {})
             shown = flag_of(field.name)
+            if field.metadata.get("short"):
+                shown = f"{field.metadata['short']}, {shown}"
             if "choices" in options:
                 shown += " {" + ",".join(map(str, options["choices"])) + "}"
             elif options.get("metavar"):
                 shown += f" {options['metavar']}"
-            default = "" if field.default in (None, False) else f"`{field.default}`"
+            default = "" if field.default is None or field.default is False else f"`{field.default}`"
             doc = field.metadata.get("doc", "").replace("|", "\\|")
             lines.append(f"| `{shown}` | {default} | {doc} |")
     return "\n".join(lines)
@@ -233,5 +268,6 @@ class ParallelismConfig:
     )
 
 
-# the eval scripts and tools/generate.py take these of ParallelismConfig's fields (add_flags(..., only=))
+# the fields of ParallelismConfig other scripts take as they are: add_flags(..., only=), or in a section
+# of their own with same_as (recipes/evaluation_config.py: EvalParallelismConfig)
 SHARED_BY_SCRIPTS = ("parallel_mode", "ring_degree", "dist_timeout")

@@ -1,4 +1,4 @@
-"""Sequence-parallel evaluation, shared by eval_needle.py and eval_ppl.py.
+"""Sequence-parallel evaluation, shared by the eval scripts and tools/generate.py.
 
 One sequence is scored by one forward pass (no grad) spread over its SP group: every rank
 holds its share of the tokens, the output layer runs over chunks of the local tokens (full
@@ -228,17 +228,18 @@ def load_scorer(
     return scorer, tokenizer
 
 
-def load_scorer_for_flags(accelerator, source: str, args, max_length: int, **options):
-    """load_scorer with the eval scripts' shared flags: --parallel-mode, --sp-size, --ring-degree,
-    --rope-theta, --dtype."""
+def load_scorer_for_flags(accelerator, source: str, model, parallelism, max_length: int, **options):
+    """load_scorer with the settings the eval scripts share (recipes/evaluation_config.py): the
+    model section's --rope-theta and --dtype, the parallelism section's --parallel-mode, --sp-size
+    and --ring-degree."""
     return load_scorer(
         accelerator,
         source,
-        args.parallel_mode,
+        parallelism.parallel_mode,
         max_length=max_length,
-        sp_size=args.sp_size,
-        ring_degree=args.ring_degree,
-        rope_theta=args.rope_theta,
-        dtype=args.dtype,
+        sp_size=parallelism.sp_size,
+        ring_degree=parallelism.ring_degree,
+        rope_theta=model.rope_theta,
+        dtype=model.dtype,
         **options,
     )

@@ -30,7 +30,7 @@ def needle_scores(tmp_path, model: Path, name: str) -> dict:
     """eval_needle.py's default sweep (256-2,048 tokens, 5 depths, 2 samples) with --generate:
     its summary JSON."""
     out = tmp_path / name
-    torchrun("eval_needle.py", "--model", str(model), "--generate", "--hide_progress", "--output_dir", str(out))
+    torchrun("eval_needle.py", "--model", str(model), "--generate", "--hide-progress", "--output-dir", str(out))
     return json.loads((out / f"needle_{model.name}.json").read_text())
 
 

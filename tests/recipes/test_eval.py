@@ -154,29 +154,29 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
     flags = [
         "--model",
         str(saved_model),
-        "--min_context_length",
+        "--min-context-length",
         "300",
-        "--max_context_length",
+        "--max-context-length",
         "900",
-        "--context_interval",
+        "--context-interval",
         "300",
-        "--depth_interval",
+        "--depth-interval",
         "0.5",
-        "--num_samples",
+        "--num-samples",
         "2",
-        "--num_distractor",
+        "--num-distractor",
         "2",
-        "--hide_progress",
+        "--hide-progress",
         "--generate",
-        "--max_new_tokens",
+        "--max-new-tokens",
         "6",
     ]
     ok(
         run_script(
-            "eval_needle.py", *flags, "--parallel-mode", "data_parallel", "--output_dir", str(tmp_path / "single")
+            "eval_needle.py", *flags, "--parallel-mode", "data_parallel", "--output-dir", str(tmp_path / "single")
         )
     )
-    out = ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "parallel"), processes=2)).stdout
+    out = ok(run_script("eval_needle.py", *flags, "--output-dir", str(tmp_path / "parallel"), processes=2)).stdout
     single = read_csv(tmp_path / "single" / f"needle_{saved_model.name}.csv")
     parallel = read_csv(tmp_path / "parallel" / f"needle_{saved_model.name}.csv")
     assert [(r["context_length"], r["depth"], r["sample"]) for r in parallel] == [
@@ -207,17 +207,17 @@ def test_eval_needle_parallel_equals_single_process_and_writes_the_grid(tmp_path
             str(saved_model),
             "--task",
             "passkey",
-            "--min_context_length",
+            "--min-context-length",
             "200",
-            "--max_context_length",
+            "--max-context-length",
             "200",
-            "--depth_interval",
+            "--depth-interval",
             "1",
-            "--num_samples",
+            "--num-samples",
             "1",
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "passkey"),
-            "--hide_progress",
+            "--hide-progress",
         )
     )
     rows = read_csv(tmp_path / "passkey" / f"passkey_{saved_model.name}.csv")
@@ -233,22 +233,22 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
     flags = [
         "--model",
         str(saved_model),
-        "--min_context_length",
+        "--min-context-length",
         "300",
-        "--max_context_length",
+        "--max-context-length",
         "600",
-        "--context_interval",
+        "--context-interval",
         "300",
-        "--depth_interval",
+        "--depth-interval",
         "0.5",
-        "--num_samples",
+        "--num-samples",
         "1",
-        "--hide_progress",
+        "--hide-progress",
         "--generate",
-        "--max_new_tokens",
+        "--max-new-tokens",
         "5",
     ]
-    ok(run_script("eval_needle.py", *flags, "--output_dir", str(tmp_path / "torchrun"), processes=2))
+    ok(run_script("eval_needle.py", *flags, "--output-dir", str(tmp_path / "torchrun"), processes=2))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     ok(
         subprocess.run(
@@ -260,7 +260,7 @@ def test_eval_needle_under_deepspeed_zero3_inference_equals_torchrun(tmp_path, s
                 str(ROOT / "accelerate_configs" / "cpu_deepspeed_inference.yaml"),
                 str(ROOT / "eval_needle.py"),
                 *flags,
-                "--output_dir",
+                "--output-dir",
                 str(tmp_path / "deepspeed"),
             ],
             capture_output=True,
@@ -296,9 +296,9 @@ def test_eval_scripts_refuse_bad_flags_clearly(tmp_path, capsys):
     import eval_ruler
 
     cases = [
-        (eval_needle, ["--task", "passkey", "--num_distractor", "2"], "--num_distractor applies to the needle task"),
-        (eval_needle, ["--min_context_length", "900", "--max_context_length", "100"], "--min_context_length <= --max"),
-        (eval_needle, ["--haystack_dir", str(tmp_path)], "no .txt files there"),
+        (eval_needle, ["--task", "passkey", "--num-distractor", "2"], "--num-distractor applies to the needle task"),
+        (eval_needle, ["--min-context-length", "900", "--max-context-length", "100"], "--min-context-length <= --max"),
+        (eval_needle, ["--haystack-dir", str(tmp_path)], "no .txt files there"),
         (eval_ppl, ["--dataset", "a", "--tokenized", "b"], "not both"),
         (eval_ruler, ["--tasks", "vt,frob", "--samples", "0"], "--tasks: unknown ['frob']"),
     ]
@@ -422,12 +422,12 @@ def test_passkey_prompt_and_too_short_contexts():
 def test_generate_script_parallel_equals_single_process(tmp_path, saved_model):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The special magic number is 4821. " * 12 + "What is the special magic number? It is")
-    flags = ["--model", str(saved_model), "--prompt_file", str(prompt), "--max_new_tokens", "24"]
-    for extra in ([], ["--do_sample", "--temperature", "1.5", "--seed", "7"]):
+    flags = ["--model", str(saved_model), "--prompt-file", str(prompt), "--max-new-tokens", "24"]
+    for extra in ([], ["--do-sample", "--temperature", "1.5", "--seed", "7"]):
         single = ok(run_script("tools.generate", *flags, *extra, "--parallel-mode", "data_parallel"))
         for mode in ("zigzag_ring_attn", "ulysses_attn"):
             parallel = ok(run_script("tools.generate", *flags, *extra, "--parallel-mode", mode, processes=2))
             assert parallel.stdout == single.stdout and parallel.stdout.strip(), (extra, mode)
             assert f"{mode} over 2 process(es)" in parallel.stderr and "K/V cache on this rank" in parallel.stderr
-    missing = run_script("tools.generate", "--model", str(saved_model), "--prompt_file", str(tmp_path / "none.txt"))
+    missing = run_script("tools.generate", "--model", str(saved_model), "--prompt-file", str(tmp_path / "none.txt"))
     assert missing.returncode == 2 and "none.txt: no such file" in missing.stderr

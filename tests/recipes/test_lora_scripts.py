@@ -71,7 +71,7 @@ def test_lora_trains_like_one_process_in_every_mode_and_the_evals_load_the_adapt
         assert abs(adapted - whole) <= 1e-5 * whole and abs(adapted - original) > 1e-3 * original, rows
 
     needle = tmp_path / "needle"
-    needle_flags = ["--task", "passkey", "--min_context_length", "200", "--max_context_length", "200"]
-    needle_flags += ["--depth_interval", "1", "--num_samples", "1", "--hide_progress"]
-    ok(run_script("eval_needle.py", "--model", str(reference), *needle_flags, "--output_dir", str(needle)))
+    needle_flags = ["--task", "passkey", "--min-context-length", "200", "--max-context-length", "200"]
+    needle_flags += ["--depth-interval", "1", "--num-samples", "1", "--hide-progress"]
+    ok(run_script("eval_needle.py", "--model", str(reference), *needle_flags, "--output-dir", str(needle)))
     assert [r["depth"] for r in read_csv(needle / f"passkey_{reference.name}.csv")] == ["0.0", "1.0"]

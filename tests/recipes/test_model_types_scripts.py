@@ -84,21 +84,21 @@ def test_eval_needle_runs_gpt_oss_exactly(tmp_path):
     flags = [
         "--model",
         str(model),
-        "--min_context_length",
+        "--min-context-length",
         "300",
-        "--max_context_length",
+        "--max-context-length",
         "300",
-        "--depth_interval",
+        "--depth-interval",
         "0.5",
-        "--num_samples",
+        "--num-samples",
         "1",
-        "--num_distractor",
+        "--num-distractor",
         "1",
-        "--hide_progress",
+        "--hide-progress",
     ]
     ok(
         run_script(
-            "eval_needle.py", *flags, "--parallel-mode", "data_parallel", "--output_dir", str(tmp_path / "single")
+            "eval_needle.py", *flags, "--parallel-mode", "data_parallel", "--output-dir", str(tmp_path / "single")
         )
     )
     ok(
@@ -107,7 +107,7 @@ def test_eval_needle_runs_gpt_oss_exactly(tmp_path):
             *flags,
             "--parallel-mode",
             "dist_flash_attn",
-            "--output_dir",
+            "--output-dir",
             str(tmp_path / "parallel"),
             processes=2,
         )

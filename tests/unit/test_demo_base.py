@@ -68,12 +68,13 @@ def test_eval_needle_scores_right_and_corrupted_answers(base):
     model, tokenizer = base
     import eval_needle
 
-    args = eval_needle.parse_args(["--generate"])
+    config = eval_needle.parse_args(["--generate"])
+    prompts, budget = config.prompts, config.answers.max_new_tokens
     scorer = SeqParallelScorer(model, "data_parallel", 0, 1, torch.device("cpu"))
-    haystack = eval_needle.Haystack(tokenizer, eval_needle.haystack_text(args), min_tokens=512)
-    prompt = eval_needle.make_prompt(args, tokenizer, haystack, 512, 0.5, 0)
+    haystack = eval_needle.Haystack(tokenizer, eval_needle.haystack_text(prompts), min_tokens=512)
+    prompt = eval_needle.make_prompt(prompts, tokenizer, haystack, 512, 0.5, 0)
     right = eval_needle.evaluate_prompt(scorer, tokenizer, prompt)
-    right |= eval_needle.generate_answer(args, scorer, tokenizer, prompt)
+    right |= eval_needle.generate_answer(scorer, tokenizer, prompt, budget)
     assert right["correct"] and right["token_accuracy"] == 1.0 and right["generated_correct"]
     assert right["predicted"] == f" {prompt.value}" and right["generated"].startswith(f" {prompt.value}")
 
@@ -82,7 +83,7 @@ def test_eval_needle_scores_right_and_corrupted_answers(base):
     answer = tokenizer(f" {other}", add_special_tokens=False).input_ids
     corrupted = dataclasses.replace(prompt, input_ids=prompt.input_ids[: prompt.answer_start] + answer, value=other)
     wrong = eval_needle.evaluate_prompt(scorer, tokenizer, corrupted)
-    wrong |= eval_needle.generate_answer(args, scorer, tokenizer, corrupted)
+    wrong |= eval_needle.generate_answer(scorer, tokenizer, corrupted, budget)
     assert not wrong["correct"] and not wrong["generated_correct"]
     assert wrong["token_accuracy"] == 1 / len(answer)  # only the space before the number is right
     assert wrong["answer_nll"] > right["answer_nll"] + 5
