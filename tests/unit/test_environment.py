@@ -9,7 +9,17 @@ from easy_context.core.environment import TEST_HOOKS, VARIABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"EASY_CONTEXT_[A-Z][A-Z_]*[A-Z]")
-SOURCES = ("easy_context", "recipes", "tools", "benchmarks", "tests", "scripts", "train.py", "eval_needle.py", "eval_harness.py")
+SOURCES = (
+    "easy_context",
+    "recipes",
+    "tools",
+    "benchmarks",
+    "tests",
+    "scripts",
+    "train.py",
+    "eval_needle.py",
+    "eval_harness.py",
+)
 
 
 def table() -> str:
