@@ -1,10 +1,14 @@
-"""What the exactness tests share: one training step over a (sharded) sequence, and the errors
-of a run against the single-process reference."""
+"""What the exactness tests share: one training step over a (sharded) sequence, the errors of a
+run against the single-process reference, and that reference: of an architecture
+(`architecture_reference`) and of a mode test's case (`reference`: (model type, batch, dtype,
+attn_implementation), the data of its data-parallel group)."""
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tiny_models import tiny_batch, tiny_model
+
+SEQ = 128  # the tests' sequence length (tests/distributed/test_models.py)
 
 
 def step(model, input_ids, position_ids, target_ids, group=None, attention_mask=None):
@@ -39,5 +43,20 @@ def architecture_reference(model_type, dtype=torch.float32, weights_dtype=None, 
     model's rounded weights run in fp32 (the ground truth for bf16 errors)."""
     input_ids, target_ids = tiny_batch(1, seq)
     model = tiny_model(model_type, weights_dtype or dtype, **overrides).to(dtype)
+    logits, loss = step(model, input_ids, None, target_ids)
+    return logits, loss, {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def data_seed(dp_rank):
+    """Each data-parallel group (the ranks sharing one sequence) gets different data."""
+    return 1 + dp_rank
+
+
+def reference(case, dp_rank=0, weights_dtype=None, seq=SEQ):
+    """The unpatched model on the full sequence. weights_dtype=bf16 with case dtype fp32:
+    the bf16 model's rounded weights run in fp32, the ground truth for bf16 errors."""
+    model_type, batch, dtype, impl = case
+    model = tiny_model(model_type, weights_dtype or dtype, attn_implementation=impl).to(dtype)
+    input_ids, target_ids = tiny_batch(batch, seq, seed=data_seed(dp_rank))
     logits, loss = step(model, input_ids, None, target_ids)
     return logits, loss, {n: p.grad.float() for n, p in model.named_parameters()}

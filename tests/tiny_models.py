@@ -1,4 +1,13 @@
-"""Tiny random-weight models of every supported family, built offline from configs."""
+"""The tests' one factory of tiny random-weight models, built offline from configs.
+
+    tiny_config("llama")                   # the tuned config of a type tuned here (`ARCHITECTURES`)
+    tiny_config("qwen3_next")              # any other type: the model sweep's (tools/tiny_configs.py)
+    tiny_config("mistral", sweep=True)     # the sweep's even for a type tuned here
+    tiny_model("llama", torch.bfloat16, vocab_size=260)   # sizes and fields: config overrides
+
+Every test builds its tiny models and configs here; no test defines its own (tests/user_scripts/
+are users' standalone programs, and write theirs as a user would).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,20 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralC
 
 from easy_context.hf.architectures import SUPPORTED
 from easy_context.hf.architectures import attn_implementation as default_impl
+from tools import tiny_configs
+from tools.tiny_configs import WINDOW, rope_parameters, window_variants
+
+__all__ = [
+    "ARCHITECTURES",
+    "MODEL_TYPES",
+    "VOCAB",
+    "WINDOW",
+    "rope_parameters",
+    "tiny_batch",
+    "tiny_config",
+    "tiny_model",
+    "window_variants",
+]
 
 VOCAB = 128
 _COMMON = dict(
@@ -32,8 +55,7 @@ MODEL_TYPES = tuple(_CONFIGS)  # the four of test_models.py's full mode matrix
 # Every supported architecture, each configured so that what its attention adds matters at
 # the test length (128 tokens): windows of 40 tokens, a softcap of 2 on logits of order
 # 1-10, sinks of order 1, a value head dim half the query/key one. GQA (4 query heads over 2
-# KV heads) wherever the architecture has it.
-WINDOW = 40
+# KV heads) wherever the architecture has it. WINDOW: the sweep's (tools/tiny_configs.py).
 _IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 _ALTERNATING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
@@ -79,17 +101,24 @@ ARCHITECTURES = tuple(_CONFIGS)
 assert set(_CONFIGS) <= set(SUPPORTED), "tiny configs of supported model types only"
 
 
-def tiny_config(model_type: str, **overrides):
+def tiny_config(model_type: str, *, sweep: bool = False, **overrides):
+    """The tiny config of `model_type` with config fields `overrides`: the tuned one above for a
+    type in ARCHITECTURES (overrides set on it), else (or with sweep=True) the model sweep's,
+    tools/tiny_configs.tiny_config (overrides passed to the config class)."""
+    if sweep or model_type not in _CONFIGS:
+        return tiny_configs.tiny_config(model_type, **overrides)
     config = _CONFIGS[model_type]()
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
 
 
-def tiny_model(model_type: str, dtype=torch.float32, attn_implementation=None, seed=0, **overrides):
-    """Random weights from `seed`; attn_implementation None: sdpa where the class has it."""
+def tiny_model(model_type: str, dtype=torch.float32, attn_implementation=None, seed=0, *, sweep=False, **overrides):
+    """tiny_config(model_type, sweep=sweep, **overrides) with random weights from `seed`, in
+    `dtype`; attn_implementation None: the library's choice for the type (sdpa where the class
+    has it)."""
     torch.manual_seed(seed)
-    config = tiny_config(model_type, **overrides)
+    config = tiny_config(model_type, sweep=sweep, **overrides)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation or default_impl(config))
     _randomise_zero_inits(model)
     return model.to(dtype)

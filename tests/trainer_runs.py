@@ -13,48 +13,19 @@ import os
 import random
 
 import torch
+from tiny_models import tiny_model
 
 VOCAB = 260  # the byte tokenizer's 257 ids (256 = EOS, also the pad token) and a little room
+# tests/tiny_models.py's models with the byte tokenizer's vocabulary: the tuned Llama, and (the
+# ids as well) the sweep's model of spec["model_type"]
+BYTE_LLAMA = dict(vocab_size=VOCAB, max_position_embeddings=1024)
+BYTE_IDS = dict(vocab_size=VOCAB, pad_token_id=256, eos_token_id=256, bos_token_id=256)
 
 
 def documents(count: int, seed: int) -> list[list[int]]:
     """Documents of 9-70 tokens (lengths that no layout divides), each ending with EOS."""
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randrange(8, 70))] + [256] for _ in range(count)]
-
-
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
-
-
-def tiny_of(model_type: str, seed: int = 0, **overrides):
-    """The sweep's tiny model of `model_type` (tools/tiny_configs.py) with the byte tokenizer's
-    vocabulary and config fields `overrides`."""
-    import transformers
-
-    from easy_context.hf.architectures import attn_implementation
-    from tools.tiny_configs import tiny_config
-
-    torch.manual_seed(seed)
-    config = tiny_config(
-        model_type, vocab_size=VOCAB, pad_token_id=256, eos_token_id=256, bos_token_id=256, **overrides
-    )
-    config._attn_implementation = attn_implementation(config)
-    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def tokenizer(padding_side: str = "right"):
@@ -141,7 +112,10 @@ def train(rank: int, world: int, spec: dict) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    model = tiny_llama() if spec.get("model_type") is None else tiny_of(spec["model_type"], **spec.get("config", {}))
+    if spec.get("model_type") is None:
+        model = tiny_model("llama", **BYTE_LLAMA)
+    else:
+        model = tiny_model(spec["model_type"], sweep=True, **BYTE_IDS, **spec.get("config", {}))
     if spec.get("lora"):  # rank-r adapters on the attention projections; the base frozen
         from recipes.lora import add_lora
 
@@ -208,7 +182,10 @@ def misuse(rank: int, world: int) -> dict:
     errors = {}
     with tempfile.TemporaryDirectory() as out:
         for use_cpu in (False, True):
-            trainer = Trainer(model=tiny_llama(), args=TrainingArguments(output_dir=out, use_cpu=use_cpu, report_to=[]))
+            trainer = Trainer(
+                model=tiny_model("llama", **BYTE_LLAMA),
+                args=TrainingArguments(output_dir=out, use_cpu=use_cpu, report_to=[]),
+            )
             try:
                 ec.prepare_trainer("zigzag_ring_attn", trainer)
             except ValueError as error:
@@ -299,8 +276,8 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
             )
             trainer_class = DPOTrainer if spec["mode"] else type("ReferenceDPOTrainer", (SeededShuffle, DPOTrainer), {})
             trainer = trainer_class(
-                model=tiny_llama(),
-                ref_model=tiny_llama(),
+                model=tiny_model("llama", **BYTE_LLAMA),
+                ref_model=tiny_model("llama", **BYTE_LLAMA),
                 args=config,
                 train_dataset=load_from_disk(f"{spec['data']}/train"),
                 eval_dataset=load_from_disk(f"{spec['data']}/eval"),

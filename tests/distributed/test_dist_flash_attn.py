@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from exactness import errors, reference
 from ranks import run_ranks
-from test_models import errors, reference
 from tiny_models import tiny_batch, tiny_model
 
 from easy_context import (

@@ -8,33 +8,23 @@ import torch
 import torch.distributed as dist
 from exactness import errors
 from ranks import run_ranks
+from tiny_models import tiny_model
 
 from benchmarks.attention_comm import CommCounter
 from easy_context import apply_seq_parallel_monkey_patch, remove_seq_parallel_monkey_patch
 from easy_context.core.pieces import local_pieces
 from easy_context.hf import active_patch
-from easy_context.hf.architectures import attn_implementation
 from easy_context.hf.mixers import mixer_shapes
 from easy_context.mixers import STRATEGIES
 from easy_context.mixers.costs import positions_traffic, traffic
-from tools import exact_step, sweep_models
+from tools import exact_step
 from tools.hybrid_checks import compare_generation, each_document_alone, packed_batch, prompts, with_long_memory
-from tools.tiny_configs import tiny_config
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4  # as tests/distributed/test_models.py
 # one of each family: Gated DeltaNet, Mamba-2 with groups of B/C, Mamba-2 with one group, short convolutions
 FAMILIES = ("qwen3_next", "nemotron_h", "bamba", "lfm2")
-
-
-def model_of(model_type, dtype=torch.float32, **overrides):
-    import transformers
-
-    torch.manual_seed(0)
-    config = tiny_config(model_type, **overrides)
-    config._attn_implementation = attn_implementation(config)
-    return getattr(transformers, sweep_models.causal_lm_class(model_type).__name__)(config).to(dtype)
 
 
 def sharded_step(model, mode, options, rank, world_size, counter=None):
@@ -67,14 +57,14 @@ def _usp_worker(rank, world_size):
     found = {}
     for model_type in FAMILIES:
         overrides = {"n_groups": 4} if model_type == "nemotron_h" else {}  # groups that split over 4 ranks
-        want = reference(model_of(model_type, **overrides))
+        want = reference(tiny_model(model_type, **overrides))
         for strategy in STRATEGIES:
             options = {"ring_degree": 2, "mixer_strategy": strategy}
-            got = sharded_step(model_of(model_type, **overrides), "usp_attn", options, rank, world_size)
+            got = sharded_step(tiny_model(model_type, **overrides), "usp_attn", options, rank, world_size)
             remove_seq_parallel_monkey_patch()
             found[(model_type, strategy)] = errors(got, want)
     # generation: the prefill's runs cross Ulysses groups
-    model = with_long_memory(model_of("qwen3_next")).eval()
+    model = with_long_memory(tiny_model("qwen3_next")).eval()
     found["generate"] = compare_generation(model, "usp_attn", *prompts(2, 41, (0, 5)), ring_degree=2)
     return found
 
@@ -112,11 +102,11 @@ def _documents_worker(rank, world_size):
 
     found = {}
     for model_type in FAMILIES:
-        packed_want = each_document_alone(model_of(model_type))
-        padded_want = masked_step(model_of(model_type), *padded_batch())
+        packed_want = each_document_alone(tiny_model(model_type))
+        padded_want = masked_step(tiny_model(model_type), *padded_batch())
         for mode in ("zigzag_ring_attn", "ulysses_attn"):
             for strategy in STRATEGIES:
-                model = model_of(model_type)
+                model = tiny_model(model_type)
                 apply_seq_parallel_monkey_patch(mode, model, mixer_strategy=strategy)
                 group = active_patch().groups().sp
                 input_ids, position_ids, target_ids = packed_batch()
@@ -127,7 +117,7 @@ def _documents_worker(rank, world_size):
                 found[("packed", model_type, mode, strategy)] = errors(
                     (gather_seq_parallel_outputs(mode, got[0]), *got[1:]), packed_want
                 )
-                model = model_of(model_type)
+                model = tiny_model(model_type)
                 input_ids, target_ids, mask = padded_batch()
                 local = prepare_seq_parallel_inputs(
                     mode, input_ids, None, target_ids, rank, world_size, "cpu", attention_mask=mask
@@ -145,7 +135,7 @@ def _documents_worker(rank, world_size):
                 )
                 remove_seq_parallel_monkey_patch()
     # a model left to its default positions (0.. on every shard) would read a document per shard
-    model = model_of("bamba")  # a mixer first: it refuses before any attention layer runs
+    model = tiny_model("bamba")  # a mixer first: it refuses before any attention layer runs
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
     local = prepare_seq_parallel_inputs("zigzag_ring_attn", *packed_batch()[:1], None, None, rank, world_size, "cpu")
     try:
@@ -154,7 +144,7 @@ def _documents_worker(rank, world_size):
     except ValueError as error:
         found["default positions"] = str(error)
     # a cache outside easy_context.generate's prefill
-    model = model_of("qwen3_next")
+    model = tiny_model("qwen3_next")
     apply_seq_parallel_monkey_patch("zigzag_ring_attn", model)
     try:
         model(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"], use_cache=True)
@@ -185,7 +175,7 @@ def test_packed_documents_are_exact_against_each_document_alone_and_padding_agai
 def _generation_worker(rank, world_size):
     found = {}
     for model_type in FAMILIES:
-        model = with_long_memory(model_of(model_type)).eval()
+        model = with_long_memory(tiny_model(model_type)).eval()
         for mode in ("zigzag_ring_attn", "ulysses_attn"):
             # a prefill of 36 tokens (every run whole), and of 40 left-padded rows that the layout pads at the end
             found[(model_type, mode, "one row")] = compare_generation(model, mode, *prompts(1, 37))
@@ -211,7 +201,7 @@ def _bf16_worker(rank, world_size):
     for model_type in FAMILIES:
         for strategy in STRATEGIES:
             options = {"mixer_strategy": strategy}
-            got = sharded_step(model_of(model_type, torch.bfloat16), "zigzag_ring_attn", options, rank, world_size)
+            got = sharded_step(tiny_model(model_type, torch.bfloat16), "zigzag_ring_attn", options, rank, world_size)
             remove_seq_parallel_monkey_patch()
             found[(model_type, strategy)] = got
     return found
@@ -225,8 +215,8 @@ def test_bf16_is_within_the_unpatched_bf16_models_own_error():
     found = run_ranks(_bf16_worker, 2, timeout=560)[0]
     failed = []
     for (model_type, strategy), ours in found.items():
-        truth = reference(model_of(model_type, torch.bfloat16).float())
-        theirs = errors(reference(model_of(model_type, torch.bfloat16)), truth)
+        truth = reference(tiny_model(model_type, torch.bfloat16).float())
+        theirs = errors(reference(tiny_model(model_type, torch.bfloat16)), truth)
         mine = errors(ours, truth)
         print(f"bf16 {model_type} {strategy}: ours {[f'{e:.1e}' for e in mine]} hf {[f'{e:.1e}' for e in theirs]}")
         if any(m > 2 * t + 1 / 256 for m, t in zip(mine, theirs)):
@@ -249,7 +239,7 @@ def _bytes_worker(rank, world_size):
     for name, (model_type, overrides) in PURE.items():
         for mode in ("zigzag_ring_attn", "ulysses_attn"):  # two runs on rank 0, one on each
             for strategy in STRATEGIES:
-                model = model_of(model_type, **overrides)
+                model = tiny_model(model_type, **overrides)
                 sharded_step(model, mode, {"mixer_strategy": strategy}, rank, world_size, CommCounter.instance)
                 layout = active_patch().layout()
                 remove_seq_parallel_monkey_patch()

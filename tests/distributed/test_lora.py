@@ -10,8 +10,8 @@ import tempfile
 
 import pytest
 import torch
+from generation_runs import GREEDY, LOGITS_TOL, compare, prompts
 from ranks import run_ranks
-from test_generation import GREEDY, LOGITS_TOL, compare, prompts
 from tiny_models import tiny_batch, tiny_model
 from trainer_runs import train
 

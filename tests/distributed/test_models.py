@@ -4,7 +4,7 @@ sequence: logits, loss and every parameter gradient."""
 import pytest
 import torch
 import torch.distributed as dist
-from exactness import errors, step
+from exactness import SEQ, data_seed, errors, reference, step
 from ranks import run_ranks
 from tiny_models import MODEL_TYPES, tiny_batch, tiny_model
 
@@ -18,7 +18,6 @@ from easy_context.hf import active_patch
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
-SEQ = 128
 # (model type, batch, dtype, attn_implementation the model was created with)
 FP32_CASES = [(m, b, torch.float32, "sdpa") for m in MODEL_TYPES for b in (1, 2)] + [
     ("llama", 2, torch.float32, "eager")
@@ -40,11 +39,6 @@ RUNS = [
     ("zigzag_ring_attn", 4, {"sp_size": 2}),
     ("usp_attn", 4, {"sp_size": 2, "ring_degree": 1}),
 ]
-
-
-def data_seed(dp_rank):
-    """Each data-parallel group (the ranks sharing one sequence) gets different data."""
-    return 1 + dp_rank
 
 
 def model_worker(rank, world_size, mode, options, cases):
@@ -71,16 +65,6 @@ def model_worker(rank, world_size, mode, options, cases):
         results[case] = (gather_seq_parallel_outputs(mode, logits), loss, grads)
     remove_seq_parallel_monkey_patch()
     return {"dp_rank": dp_rank, "results": results}
-
-
-def reference(case, dp_rank=0, weights_dtype=None, seq=SEQ):
-    """The unpatched model on the full sequence. weights_dtype=bf16 with case dtype fp32:
-    the bf16 model's rounded weights run in fp32, the ground truth for bf16 errors."""
-    model_type, batch, dtype, impl = case
-    model = tiny_model(model_type, weights_dtype or dtype, attn_implementation=impl).to(dtype)
-    input_ids, target_ids = tiny_batch(batch, seq, seed=data_seed(dp_rank))
-    logits, loss = step(model, input_ids, None, target_ids)
-    return logits, loss, {n: p.grad.float() for n, p in model.named_parameters()}
 
 
 @pytest.mark.timeout(400)

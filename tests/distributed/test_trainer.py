@@ -15,7 +15,8 @@ import tempfile
 import pytest
 import torch
 from ranks import run_ranks
-from trainer_runs import misuse, tiny_llama, train, train_and_resume
+from tiny_models import tiny_model
+from trainer_runs import BYTE_LLAMA, misuse, train, train_and_resume
 
 import easy_context as ec
 
@@ -173,7 +174,10 @@ def _trainer(**args):
     from transformers import Trainer, TrainingArguments
 
     with tempfile.TemporaryDirectory() as out:
-        return Trainer(model=tiny_llama(), args=TrainingArguments(output_dir=out, use_cpu=True, report_to=[], **args))
+        return Trainer(
+            model=tiny_model("llama", **BYTE_LLAMA),
+            args=TrainingArguments(output_dir=out, use_cpu=True, report_to=[], **args),
+        )
 
 
 def test_prepare_trainer_refuses_what_it_cannot_do_exactly():

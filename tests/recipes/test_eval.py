@@ -10,17 +10,15 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from ranks import require_deepspeed, run_ranks
+from script_runs import ROOT, ok, read_csv, run_script
 from tiny_models import VOCAB, tiny_model
 
 from recipes.data import BYTE_EOS_ID, byte_tokenizer, embedded_prose
 from recipes.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ scorer vs one process
@@ -69,28 +67,6 @@ def saved_model(tmp_path_factory):
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
-
-
-def run_script(script, *flags, processes=1, cwd=ROOT):
-    if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    else:
-        command = [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    target = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]  # a module: from ROOT
-    result = subprocess.run([*command, *target, *flags], capture_output=True, text=True, timeout=240, env=env, cwd=cwd)
-    return result
-
-
-def ok(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def read_csv(path, reader=csv.DictReader) -> list:
-    """Every row of a CSV file a script wrote (csv.DictReader: dicts; csv.reader: lists)."""
-    with open(path) as f:
-        return list(reader(f))
 
 
 @pytest.mark.slow

@@ -10,8 +10,7 @@ import csv
 import json
 
 import pytest
-from test_eval import ok, read_csv, run_script
-from test_train import train
+from script_runs import ok, read_csv, run_script, train
 from tiny_models import tiny_model
 
 from recipes.data import BYTE_EOS_ID, byte_tokenizer

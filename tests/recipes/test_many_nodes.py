@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import ROOT, SMALL, train
+from script_runs import ROOT, SMALL, train
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 

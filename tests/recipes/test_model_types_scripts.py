@@ -2,7 +2,8 @@
 data_parallel, eval_ppl runs Gemma 2 (softcap) and eval_needle runs gpt-oss (sinks) exactly."""
 
 import pytest
-from tiny_models import ARCHITECTURES, tiny_model
+from script_runs import ok, read_csv, run_script, train
+from tiny_models import tiny_model
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
@@ -24,21 +25,11 @@ SHARED = {"--lora-r"}
 
 
 def saved_tiny_model(path, model_type):
-    """A tiny model of `model_type` with the byte tokenizer, saved like train.py saves one
-    (a hybrid's from tools/tiny_configs.py, the sweep's)."""
+    """A tiny model of `model_type` (tests/tiny_models.py: a hybrid's is the sweep's) with the
+    byte tokenizer, saved like train.py saves one."""
     from recipes.data import BYTE_EOS_ID, byte_tokenizer
 
-    ids = dict(vocab_size=BYTE_EOS_ID + 1, eos_token_id=BYTE_EOS_ID)
-    if model_type in ARCHITECTURES:
-        model = tiny_model(model_type, **ids)
-    else:
-        import transformers
-
-        from tools.sweep_models import causal_lm_class
-        from tools.tiny_configs import tiny_config
-
-        model = getattr(transformers, causal_lm_class(model_type).__name__)(tiny_config(model_type, **ids))
-    model.save_pretrained(path)
+    tiny_model(model_type, vocab_size=BYTE_EOS_ID + 1, eos_token_id=BYTE_EOS_ID).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
 
@@ -46,8 +37,6 @@ def saved_tiny_model(path, model_type):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model_type", SCRIPT_RUNS)
 def test_train_py_trains_any_supported_type_like_data_parallel(tmp_path, model_type):
-    from test_train import train
-
     model = saved_tiny_model(tmp_path / "model", model_type)
     steps = ["--model", str(model), "--max-train-steps", "2"]
     flags = SCRIPT_RUNS[model_type]
@@ -60,8 +49,6 @@ def test_train_py_trains_any_supported_type_like_data_parallel(tmp_path, model_t
 @pytest.mark.timeout(600)
 def test_eval_ppl_runs_gemma2_exactly(tmp_path):
     import csv
-
-    from test_eval import ok, read_csv, run_script
 
     model = saved_tiny_model(tmp_path / "model", "gemma2")
     flags = ["--model", str(model), "--min-tokens", "128", "--max-tokens", "256", "--samples", "1", "--hide-progress"]
@@ -78,8 +65,6 @@ def test_eval_ppl_runs_gemma2_exactly(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_eval_needle_runs_gpt_oss_exactly(tmp_path):
-    from test_eval import ok, read_csv, run_script
-
     model = saved_tiny_model(tmp_path / "model", "gpt_oss")
     flags = [
         "--model",

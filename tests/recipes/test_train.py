@@ -4,44 +4,15 @@ timeouts and non-finite losses: test_reliability.py; DeepSpeed: test_deepspeed.p
 
 import json
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from script_runs import ROOT, train
 
 from easy_context.hf.loss import chunked_cross_entropy_sum
-
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--seq-length", "256", "--max-rows", "16", "--log-with", "none", "--learning-rate", "1e-3"]
-
-
-def train(tmp_path, name, processes, *flags, timeout=240, env=None):
-    """train.py under torchrun: the from-scratch job (random tiny Llama, byte tokenizer, the
-    embedded corpus) unless `flags` name a --model. Returns (per-step losses, output folder)."""
-    out = tmp_path / name
-    job = [] if "--model" in flags or "--from-config" in flags else ["--from-scratch"]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={processes}",
-        str(ROOT / "train.py"),
-        "--output-dir",
-        str(out),
-        *SMALL,
-        *job,
-        *flags,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    return [entry["loss"] for entry in log], out
 
 
 @pytest.mark.slow

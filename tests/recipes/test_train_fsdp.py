@@ -4,7 +4,7 @@ tests/distributed/test_fsdp.py compares the gradients themselves, which Adam's u
 
 import pytest
 from safetensors.torch import load_file
-from test_train import train
+from script_runs import train
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_kernels import assert_close, inputs, make_mask, reference, window_truth
+from kernel_cases import assert_close, inputs, make_mask, reference, window_truth
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from easy_context.core import kernels

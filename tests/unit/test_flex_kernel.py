@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from dynamo_limits import recompile_limit_hits
-from test_kernels import assert_close, inputs, make_mask, reference
+from kernel_cases import assert_close, inputs, make_mask, reference
 
 from easy_context.core import kernels
 from easy_context.core.backends import flex

@@ -28,11 +28,7 @@ def test_default_targets_are_the_attention_projections_and_alpha_is_twice_r():
 
 
 def test_a_hybrids_default_targets_are_its_attention_and_mixer_projections():
-    import transformers
-
-    from tools.tiny_configs import tiny_config
-
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))
+    model = tiny_model("qwen3_next")  # the sweep's config
     mixer = ["in_proj_ba", "in_proj_qkvz"]  # Gated DeltaNet's inputs; not its out_proj, not the MoE's layers
     assert attention_projections(model) == sorted(mixer + ["k_proj", "o_proj", "q_proj", "v_proj"])
 

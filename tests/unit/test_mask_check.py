@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import WINDOW, tiny_config, tiny_model, window_variants
 from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -19,7 +20,6 @@ from easy_context.hf import mask_check, model_types, patch
 from easy_context.hf.architectures import SUPPORTED_MODEL_TYPES
 from tools import released_configs
 from tools.sweep_models import static_reason
-from tools.tiny_configs import WINDOW, tiny_config, window_variants
 
 RELEASED = Path(released_configs.CONFIGS)
 # the supported types this transformers has, with their attention in its registry (the floor
@@ -44,7 +44,7 @@ def test_every_supported_type_agrees_with_and_without_a_window():
     checked, without_attention = 0, set()
     for model_type in INSTALLED:
         for overrides in [{}, *window_variants(model_type).values()]:
-            config = tiny_config(model_type, **overrides)
+            config = tiny_config(model_type, sweep=True, **overrides)
             if model_type in model_types.MASKS_NOT_PROBED:
                 with pytest.warns(UserWarning, match="not probed"):
                     assert check_masks(config) == []
@@ -58,7 +58,7 @@ def test_every_supported_type_agrees_with_and_without_a_window():
 
 def test_the_argument_rule_is_stopped_where_mask_and_argument_disagree():
     for model_type, window_in in (("phimoe", "the mask"), ("olmoe", "the argument")):
-        layers = mask_check.layer_masks(tiny_config(model_type, sliding_window=WINDOW))
+        layers = mask_check.layer_masks(tiny_config(model_type, sweep=True, sliding_window=WINDOW))
         mask_check.compare(layers)  # the rule now: the mask's window
         with pytest.raises(MaskDisagreement) as stopped:
             mask_check.compare(layers, window_of=argument_rule)
@@ -70,7 +70,8 @@ def test_the_argument_rule_is_stopped_where_mask_and_argument_disagree():
             assert f"a window of {WINDOW}" in message and "without a window" in message, message
         else:
             assert "applies no window" in message and f"in a window of {WINDOW}" in message, message
-    mask_check.compare(mask_check.layer_masks(tiny_config("mistral")), window_of=argument_rule)  # they agree
+    # they agree
+    mask_check.compare(mask_check.layer_masks(tiny_config("mistral", sweep=True)), window_of=argument_rule)
 
 
 def _smallest_released_config_per_type() -> dict:
@@ -117,11 +118,11 @@ def test_setup_stops_before_training_on_a_disagreement(monkeypatch):
     """setup (and apply_seq_parallel_monkey_patch) run the check on the model's config; with the
     patch's window rule swapped back to the argument, OLMoE with a window stops there."""
     try:
-        setup("zigzag_ring_attn", tiny_config("olmoe", sliding_window=WINDOW))  # the rule now
+        setup("zigzag_ring_attn", tiny_config("olmoe", sweep=True, sliding_window=WINDOW))  # the rule now
         teardown()
         monkeypatch.setattr(patch, "layer_window", lambda module, mask, kwargs: kwargs.get("sliding_window"))
         with pytest.raises(MaskDisagreement, match="OlmoeAttention"):  # a config setup has not checked yet
-            setup("zigzag_ring_attn", tiny_config("olmoe", sliding_window=WINDOW + 1))
+            setup("zigzag_ring_attn", tiny_config("olmoe", sweep=True, sliding_window=WINDOW + 1))
         assert patch.active() is None  # stopped before the patch was installed
     finally:
         teardown()
@@ -130,8 +131,6 @@ def test_setup_stops_before_training_on_a_disagreement(monkeypatch):
 def test_the_check_leaves_the_registries_and_the_model_as_they_were():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-
-    from tools.sweep_models import tiny_model
 
     model = tiny_model("phimoe", sliding_window=WINDOW)
     before = {name: p.clone() for name, p in model.state_dict().items()}

@@ -5,26 +5,16 @@ refused, naming the class and what is supported (issue 60: the class was not che
 trainer computing its own loss from its own inputs got the SFT sharding in front of it)."""
 
 import pytest
-import torch
+from tiny_models import tiny_model
 
 import easy_context as ec
 
 
 def _trainer(cls, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from transformers import TrainingArguments
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    return cls(model=LlamaForCausalLM(config), args=args)
+    return cls(model=tiny_model("llama"), args=args)
 
 
 def test_trainers_that_bring_their_own_loss_or_inputs_are_refused_by_name(tmp_path):
