@@ -312,7 +312,7 @@ def save_grpo_policy(folder: str) -> None:
     """The tiny Llama on disk: GRPOTrainer builds its reference model from the policy's path. Every
     8th byte also ends a completion (TRL reads the model's eos ids), so completions have different
     lengths and are right-padded."""
-    model = tiny_llama()
+    model = tiny_model("llama", **BYTE_LLAMA)
     model.generation_config.eos_token_id = [256, *range(0, 256, 8)]
     model.save_pretrained(folder)
 
