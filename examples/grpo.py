@@ -89,4 +89,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (recipes.launch.exit_process)
+    run_main(main)  # exit code 0/2/3/4 without the interpreter's teardown (easy_context.core.groups.exit_process)
