@@ -1,6 +1,6 @@
 """One HF Trainer run on tiny data, for tests/distributed/test_trainer.py (importable by spawned ranks);
 `train_dpo`: TRL's DPOTrainer runs for tests/distributed/test_dpo_trainer.py; `train_grpo`: TRL's
-GRPOTrainer runs for tests/distributed/test_grpo_trainer.py.
+GRPOTrainer and RLOOTrainer runs for tests/distributed/test_grpo_trainer.py.
 
 `train(rank, world, spec)` trains a tiny Llama with transformers.Trainer (or TRL's
 SFTTrainer) and returns the per-step losses, the eval loss and the final weights. With
@@ -318,18 +318,22 @@ def save_grpo_policy(folder: str) -> None:
 
 
 def train_grpo(rank: int, world: int, spec: dict) -> list:
-    """TRL's GRPOTrainer for each of spec["configs"] (GRPOConfig fields as (name, value) pairs), one
-    after the other, sampling on: per-step losses and logged metrics, every rank's completions
-    (token ids, as the reward function got them), the gradients of the first step and the
-    weights after the steps. spec["mode"] None: the unpatched reference in one process."""
+    """TRL's GRPOTrainer (or RLOOTrainer: spec["trainer"] "rloo") for each of spec["configs"]
+    (GRPOConfig / RLOOConfig fields as (name, value) pairs), one after the other, sampling on:
+    per-step losses and logged metrics, every rank's completions (token ids, as the reward
+    function got them), the gradients of the first step and the weights after the steps.
+    spec["mode"] None: the unpatched reference in one process."""
     _as_distributed(rank, world)
     import tempfile
 
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     import easy_context as ec
+
+    rloo = spec.get("trainer", "grpo") == "rloo"
+    config_class, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
 
     class Record(TrainerCallback):
         def __init__(self, logs, grads):
@@ -353,7 +357,7 @@ def train_grpo(rank: int, world: int, spec: dict) -> list:
 
         reward.__name__ = "byte_reward"
         with tempfile.TemporaryDirectory() as out:
-            config = GRPOConfig(
+            config = config_class(
                 output_dir=out,
                 per_device_train_batch_size=4,
                 num_generations=4,
@@ -367,12 +371,12 @@ def train_grpo(rank: int, world: int, spec: dict) -> list:
                 use_cpu=True,
                 seed=7,
                 disable_tqdm=True,
-                bf16=False,  # GRPOConfig defaults to bf16; its gradient checkpointing stays on (its default)
+                bf16=False,  # both configs default to bf16; gradient checkpointing stays on (their default)
                 max_grad_norm=0.0,  # no clipping: the gradients compared are the loss's own
                 model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
                 **{"max_steps": 2, **dict(extra)},
             )
-            trainer = GRPOTrainer(
+            trainer = trainer_class(
                 model=spec["policy"],  # save_grpo_policy's folder: with beta > 0 TRL loads its reference from it
                 reward_funcs=reward,
                 args=config,

@@ -17,10 +17,10 @@ what runs on it (generation, the Trainer adapter, the replica guard).
     replicas.py       a guard: the ranks of an SP group must hold the same weights
     generation.py     generate in a context: prompt checks, sharded prefill, then transformers' decoding
     sharded_cache.py  ShardedKVCache: the KV cache sharded over the SP group, exact attention per step
-    trainer.py        prepare_trainer in a context: HF Trainer / TRL SFTTrainer / DPOTrainer / GRPOTrainer in one line
+    trainer.py        prepare_trainer in a context: HF Trainer / TRL SFT / DPO / GRPO / RLOO trainers in one line
     trainer_admission.py  the trainer classes and arguments prepare_trainer accepts, checked
     preference.py     TRL's DPOTrainer: its fused log-prob forwards sharded, per-token outputs summed over the group
-    rl.py             TRL's GRPOTrainer: the rollout drawn once per SP group, its log-prob forwards sharded as DPO's
+    rl.py             TRL's GRPO / RLOO: the rollout drawn once per SP group, its log-prob forwards sharded as DPO's
     loss.py           the causal-LM loss of a shard: chunked cross entropy, its share of the global token mean
     accelerate_parallelism.py  refuses accelerate's own context / sequence parallelism next to ours
 """

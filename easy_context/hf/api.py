@@ -98,9 +98,10 @@ def gather_seq_parallel_outputs(
 
 
 def prepare_trainer(mode: str, trainer, balance_work=False, **options):
-    """Make a transformers.Trainer, or TRL's SFTTrainer, DPOTrainer or GRPOTrainer, train `mode`.
+    """Make a transformers.Trainer, or TRL's SFTTrainer, DPOTrainer, GRPOTrainer or RLOOTrainer,
+    train `mode`.
 
-    Other trainer classes that override the loss or the inputs (TRL's RLOO, KTO, ORPO, ...)
+    Other trainer classes that override the loss or the inputs (TRL's KTO, ORPO, ...)
     are refused by name (hf/trainer_admission.py: SUPPORTED_TRAINERS, LOSS_AND_INPUT_METHODS).
 
     Call it after creating the trainer and before trainer.train(); every rank calls it.

@@ -1,6 +1,15 @@
-"""TRL's GRPOTrainer under sequence parallelism (prepare_trainer, hf/trainer.py).
+"""TRL's GRPOTrainer and RLOOTrainer under sequence parallelism (prepare_trainer, hf/trainer.py).
 
-An SP group of P ranks is one GRPO process of TRL's: it reads one batch of prompts (the
+Both trainers (TRL 1.16) share the structure changed here: `_generate_and_score_completions`
+(rollout through `_generate` / `_generate_single_turn`, `_calculate_rewards`, advantages, metrics,
+with the module-level gather / gather_object of their own module and the accelerator's
+gather / reduce / process_index), `_compute_loss`, and the same
+`_get_per_token_logps_and_entropies` through the fused LM head. RLOO differs in its loss (a
+per-sequence clipped ratio of the summed log-probs, `.mean()` over the local rows), its
+leave-one-out advantages and a KL penalty folded into the gathered rewards; all of it is computed
+from the same (sharded, summed) per-token log-probs and the same gathered rewards, so it runs as is.
+
+An SP group of P ranks is one process of TRL's: it reads one batch of prompts (the
 trainer's dataloaders are prepared for the data-parallel groups, as for SFT), and every rank of
 the group holds the same completions, rewards and advantages. Three things change:
 
@@ -31,23 +40,27 @@ which is what TRL's DDP over dp processes computes.
 
 vLLM (use_vllm=True, server or colocate), continuous batching, rollout_func, tools and
 environments, images, the MoE auxiliary loss and a reward model of the policy's (patched) type
-are refused by name (check_grpo_trainer).
+are refused by name, for either trainer (check_rl_trainer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 import torch.distributed as dist
 
 from easy_context.hf.preference import wrap_fused_forward
 
-__all__ = ["GRPOSeqParallelMixin", "is_grpo_trainer", "check_grpo_trainer", "prepare_grpo"]
+__all__ = ["RL_TRAINERS", "RLSeqParallelMixin", "rl_trainer_base", "check_rl_trainer", "prepare_rl"]
+
+# The RL trainers proven exact (tests/distributed/test_grpo_trainer.py), by (module, name).
+RL_TRAINERS = (("trl.trainer.grpo_trainer", "GRPOTrainer"), ("trl.trainer.rloo_trainer", "RLOOTrainer"))
 
 VLLM_REFUSAL = (
-    "prepare_trainer: GRPOTrainer with use_vllm=True (vLLM server or colocate) is not supported: every rank of "
+    "prepare_trainer: {name} with use_vllm=True (vLLM server or colocate) is not supported: every rank of "
     "a sequence-parallel group must score the same completions, and the vLLM paths generate per process. "
     "Use use_vllm=False: TRL's transformers generation, run by prepare_trainer with the prompts prefilled "
     "sharded and the KV cache sharded over the group (easy_context.generate), sampling identical on every "
@@ -56,15 +69,16 @@ VLLM_REFUSAL = (
 )
 
 
-def is_grpo_trainer(cls: type) -> bool:
-    return any((c.__module__, c.__qualname__) == ("trl.trainer.grpo_trainer", "GRPOTrainer") for c in cls.__mro__)
+def rl_trainer_base(cls: type) -> type | None:
+    """The class of RL_TRAINERS that `cls` is or derives from (None for any other trainer)."""
+    return next((c for c in cls.__mro__ if (c.__module__, c.__qualname__) in RL_TRAINERS), None)
 
 
-def check_grpo_trainer(trainer) -> None:
+def check_rl_trainer(trainer) -> None:
     """What the sharded rollout and forwards cannot serve, refused by name."""
-    args = trainer.args
+    args, name = trainer.args, (rl_trainer_base(type(trainer)) or type(trainer)).__name__
     if getattr(trainer, "use_vllm", False) or getattr(args, "use_vllm", False):
-        raise ValueError(VLLM_REFUSAL)
+        raise ValueError(VLLM_REFUSAL.format(name=name))
     refused = {
         "use_transformers_continuous_batching=True": getattr(trainer, "use_transformers_continuous_batching", False),
         "rollout_func (its completions would have to be the same on every rank of an SP group)": (
@@ -85,13 +99,13 @@ def check_grpo_trainer(trainer) -> None:
     for what, present in refused.items():
         if present:
             raise ValueError(
-                f"prepare_trainer: GRPOTrainer with {what} is not supported; what works: text prompts, reward "
+                f"prepare_trainer: {name} with {what} is not supported; what works: text prompts, reward "
                 "functions (or reward models of another model type), use_vllm=False, TRL's loss types, beta (KL), "
                 "num_iterations"
             )
 
 
-def prepare_grpo(trainer, batches) -> None:
+def prepare_rl(trainer, batches) -> None:
     """Shard the fused forwards, route generation, rescale the generation batch to the groups."""
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
@@ -107,7 +121,7 @@ def prepare_grpo(trainer, batches) -> None:
             f"prepare_trainer: per_device_train_batch_size x data-parallel groups ({dp}) x steps_per_generation "
             f"= {args.generation_batch_size} is not a multiple of num_generations={trainer.num_generations}"
         )
-    trainer._grpo_collectives = _OnePerGroup(trainer.accelerator, batches)
+    trainer._rl_collectives = _OnePerGroup(trainer.accelerator, batches, rl_trainer_base(type(trainer)).__module__)
 
 
 def _route_generation(model, context) -> None:
@@ -137,8 +151,8 @@ def _route_generation(model, context) -> None:
 class _OnePerGroup:
     """TRL's collectives with one process per SP group (SP rank 0's values)."""
 
-    def __init__(self, accelerator, batches):
-        self.accelerator, self.batches = accelerator, batches
+    def __init__(self, accelerator, batches, module: str):
+        self.accelerator, self.batches, self.module = accelerator, batches, module  # the trainer's TRL module
         topology = batches.topology
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.sp_rank = topology.dp_rank(self.rank), topology.sp_rank(self.rank)
@@ -203,25 +217,25 @@ class _OnePerGroup:
     @contextlib.contextmanager
     def installed(self):
         """While TRL scores completions or computes its loss: its collectives over the groups."""
-        import trl.trainer.grpo_trainer as grpo
+        trl_module = sys.modules[self.module]  # its module-level gather / gather_object
 
-        accelerator, saved = self.accelerator, (grpo.gather, grpo.gather_object)
+        accelerator, saved = self.accelerator, (trl_module.gather, trl_module.gather_object)
         cls = type(accelerator)
-        grpo.gather, grpo.gather_object = self.gather, self.gather_object
+        trl_module.gather, trl_module.gather_object = self.gather, self.gather_object
         accelerator.__class__ = self._view(cls)
         try:
             yield
         finally:
             accelerator.__class__ = cls
-            grpo.gather, grpo.gather_object = saved
+            trl_module.gather, trl_module.gather_object = saved
 
 
-class GRPOSeqParallelMixin:
-    """Put in front of GRPOTrainer's class by prepare_trainer: its generation, scoring and loss
+class RLSeqParallelMixin:
+    """Put in front of GRPOTrainer's or RLOOTrainer's class by prepare_trainer: its generation, scoring and loss
     run as they are, the forwards sharded and the collectives one per SP group."""
 
     def _generate_and_score_completions(self, inputs):
-        collectives = self._grpo_collectives
+        collectives = self._rl_collectives
         collectives.share_random_state()
         with collectives.installed():
             output = super()._generate_and_score_completions(inputs)
@@ -229,7 +243,7 @@ class GRPOSeqParallelMixin:
         return output
 
     def _compute_loss(self, model, inputs):
-        with self._grpo_collectives.installed():
+        with self._rl_collectives.installed():
             return super()._compute_loss(model, inputs)
 
     @property

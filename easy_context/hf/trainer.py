@@ -1,4 +1,4 @@
-"""HF Trainer, TRL SFTTrainer, DPOTrainer and GRPOTrainer in one line: prepare_trainer(mode, trainer, **options)
+"""HF Trainer, TRL SFT / DPO / GRPO / RLOO trainers in one line: prepare_trainer(mode, trainer, **options)
 (hf/api.py), which runs `prepare` here in the call's context. Only these classes (and subclasses
 that leave their loss and inputs alone) are accepted: a trainer that computes its own loss from
 its own inputs would get shards that nothing proved it handles (hf/trainer_admission.py).
@@ -28,10 +28,10 @@ stitch unrelated shards into one sequence.
 
 DPOTrainer keeps its own loss (every loss type, ld_alpha, WPO weighting, its metrics): only
 the forwards it makes through TRL's fused LM head (policy and reference, and the precompute
-of reference log-probs) are sharded, in hf/preference.py. GRPOTrainer likewise keeps its loss:
-its rollout runs easy_context's sharded generation with sampling identical over the SP group,
-its log-prob forwards are sharded as DPO's, and its collectives count one process per SP group
-(hf/rl.py).
+of reference log-probs) are sharded, in hf/preference.py. GRPOTrainer and RLOOTrainer likewise
+keep their loss: their rollout runs easy_context's sharded generation with sampling identical
+over the SP group, their log-prob forwards are sharded as DPO's, and their collectives count one
+process per SP group (hf/rl.py).
 
 With balance_work, the train sampler is core/work_order.py's: the data-parallel groups of a
 step get rows of equal attention work (the Trainer's own hook, _get_train_sampler, as a
@@ -53,7 +53,7 @@ from easy_context.core.work_order import WorkBalancedSampler, document_products
 from easy_context.hf import replicas
 from easy_context.hf.accelerate_parallelism import check_accelerate_parallelism
 from easy_context.hf.preference import DPOSeqParallelMixin, is_dpo_trainer, prepare_dpo
-from easy_context.hf.rl import GRPOSeqParallelMixin, is_grpo_trainer, prepare_grpo
+from easy_context.hf.rl import RLSeqParallelMixin, prepare_rl, rl_trainer_base
 from easy_context.hf.trainer_admission import check_trainer
 from easy_context.versions import check_supported
 
@@ -70,7 +70,7 @@ def prepare(context, trainer, balance_work=False):
     """easy_context.prepare_trainer in a SequenceParallel context (SequenceParallel.trainer)."""
     check_supported("accelerate")
     if isinstance(
-        trainer, (SeqParallelTrainerMixin, DPOSeqParallelMixin, GRPOSeqParallelMixin, WorkBalancedTrainerMixin)
+        trainer, (SeqParallelTrainerMixin, DPOSeqParallelMixin, RLSeqParallelMixin, WorkBalancedTrainerMixin)
     ):
         raise ValueError("prepare_trainer was already called on this trainer")
     config = getattr(trainer.model, "config", None)
@@ -92,14 +92,14 @@ def prepare(context, trainer, balance_work=False):
         _balance_work(trainer, balance_work, topology.dp_size)
     if not context.sequence_parallel:  # data_parallel: the Trainer already is one
         return trainer
-    dpo, grpo = is_dpo_trainer(type(trainer)), is_grpo_trainer(type(trainer))
-    mixin = DPOSeqParallelMixin if dpo else GRPOSeqParallelMixin if grpo else SeqParallelTrainerMixin
+    dpo, rl = is_dpo_trainer(type(trainer)), rl_trainer_base(type(trainer)) is not None
+    mixin = DPOSeqParallelMixin if dpo else RLSeqParallelMixin if rl else SeqParallelTrainerMixin
     trainer.__class__ = _seq_parallel_class(type(trainer), mixin)
     trainer._seq_parallel = _Batches(context, topology)
     if dpo:
         prepare_dpo(trainer, trainer._seq_parallel)
-    if grpo:
-        prepare_grpo(trainer, trainer._seq_parallel)
+    if rl:  # GRPOTrainer, RLOOTrainer
+        prepare_rl(trainer, trainer._seq_parallel)
     if topology.sp_size > 1:
         _read_by_sp_group(trainer, topology)
     return trainer

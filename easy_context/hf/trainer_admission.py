@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from easy_context.hf.architectures import check_training_config
 from easy_context.hf.preference import check_dpo_trainer, is_dpo_trainer
-from easy_context.hf.rl import check_grpo_trainer, is_grpo_trainer
+from easy_context.hf.rl import check_rl_trainer, rl_trainer_base
 
 __all__ = ["SUPPORTED_TRAINERS", "LOSS_AND_INPUT_METHODS", "check_trainer_class", "check_trainer"]
 
 # The trainer classes proven exact (tests/distributed/test_trainer.py, test_dpo_trainer.py,
-# test_grpo_trainer.py), by
-# (module, name): TRL is not imported to recognise its classes.
+# test_grpo_trainer.py: GRPO and RLOO), by (module, name): TRL is not imported to recognise
+# its classes.
 SUPPORTED_TRAINERS = (
     ("trl.trainer.dpo_trainer", "DPOTrainer"),
     ("trl.trainer.grpo_trainer", "GRPOTrainer"),
+    ("trl.trainer.rloo_trainer", "RLOOTrainer"),
     ("trl.trainer.sft_trainer", "SFTTrainer"),
     ("transformers.trainer", "Trainer"),
 )
@@ -31,7 +32,7 @@ LOSS_AND_INPUT_METHODS = (
     "_prepare_inputs",
     "_prepare_input",
     "get_batch_samples",
-    # GRPOTrainer's rollout, scoring and log-prob forwards (hf/rl.py)
+    # GRPOTrainer's and RLOOTrainer's rollout, scoring and log-prob forwards (hf/rl.py)
     "_generate_and_score_completions",
     "_generate",
     "_generate_single_turn",
@@ -42,7 +43,7 @@ LOSS_AND_INPUT_METHODS = (
 
 def check_trainer_class(cls: type) -> None:
     """Refuse a trainer class that is not one of SUPPORTED_TRAINERS, or a subclass of one that
-    overrides one of LOSS_AND_INPUT_METHODS (TRL's RLOO, KTO, ORPO, CPO, Reward, ...)."""
+    overrides one of LOSS_AND_INPUT_METHODS (TRL's KTO, ORPO, CPO, Reward, ...)."""
     supported = [f"{module.split('.')[0]}.{name}" for module, name in SUPPORTED_TRAINERS]
     base = next((c for c in cls.__mro__ if (c.__module__, c.__qualname__) in SUPPORTED_TRAINERS), None)
     if base is None:
@@ -75,8 +76,8 @@ def check_trainer(trainer) -> None:
     if is_dpo_trainer(type(trainer)):  # its own loss, from its fused LM head's log-probs (hf/preference.py)
         check_dpo_trainer(trainer)
         return
-    if is_grpo_trainer(type(trainer)):  # its own loss and rollout (hf/rl.py)
-        check_grpo_trainer(trainer)
+    if rl_trainer_base(type(trainer)) is not None:  # GRPO / RLOO: own loss and rollout (hf/rl.py)
+        check_rl_trainer(trainer)
         return
     if getattr(args, "label_smoothing_factor", 0):
         raise ValueError(

@@ -1,6 +1,6 @@
 """prepare_trainer accepts only the trainers proven exact (transformers.Trainer, TRL's SFTTrainer,
-DPOTrainer and GRPOTrainer) and their subclasses that leave the loss and the inputs alone; any other
-trainer (TRL's RLOO, KTO, Reward, ... or a subclass with its own compute_loss) is
+DPOTrainer, GRPOTrainer and RLOOTrainer) and their subclasses that leave the loss and the inputs
+alone; any other trainer (TRL's KTO, Reward, ... or a subclass with its own compute_loss) is
 refused, naming the class and what is supported (issue 60: the class was not checked, and a
 trainer computing its own loss from its own inputs got the SFT sharding in front of it)."""
 
@@ -33,7 +33,10 @@ def test_trainers_that_bring_their_own_loss_or_inputs_are_refused_by_name(tmp_pa
             ec.prepare_trainer("zigzag_ring_attn", _trainer(OwnLossTrainer, tmp_path))
         message = str(caught.value)
         assert "OwnLossTrainer (a subclass of transformers.Trainer) overrides ['compute_loss']" in message
-        assert "'trl.DPOTrainer', 'trl.GRPOTrainer', 'trl.SFTTrainer', 'transformers.Trainer'" in message
+        assert (
+            "'trl.DPOTrainer', 'trl.GRPOTrainer', 'trl.RLOOTrainer', 'trl.SFTTrainer', 'transformers.Trainer'"
+            in message
+        )
         trainer = _trainer(LoggingTrainer, tmp_path)
         trainer.add_callback(TrainerCallback())
         assert ec.prepare_trainer("zigzag_ring_attn", trainer) is trainer
@@ -49,13 +52,17 @@ def test_trl_trainers_not_proven_are_refused_and_the_proven_ones_accepted():
 
     from easy_context.hf.trainer_admission import check_trainer_class
 
-    for name in ("RLOOTrainer", "KTOTrainer", "RewardTrainer"):
+    for name in ("KTOTrainer", "RewardTrainer"):
         with pytest.raises(ValueError, match=f"prepare_trainer: {name} .*overrides .*compute_loss"):
             check_trainer_class(getattr(trl, name))
     own_rewards = type("OwnRewards", (trl.GRPOTrainer,), {"_calculate_rewards": lambda self, *a: None})
     overrides = r"OwnRewards \(a subclass of trl.GRPOTrainer\) overrides \['_calculate_rewards'\]"
     with pytest.raises(ValueError, match=overrides):
         check_trainer_class(own_rewards)
+    own_rollout = type("OwnRollout", (trl.RLOOTrainer,), {"_generate_single_turn": lambda self, *a: None})
+    overrides = r"OwnRollout \(a subclass of trl.RLOOTrainer\) overrides \['_generate_single_turn'\]"
+    with pytest.raises(ValueError, match=overrides):
+        check_trainer_class(own_rollout)
     from trl.experimental.gkd import GKDTrainer  # an SFTTrainer with its own loss
 
     with pytest.raises(ValueError, match=r"GKDTrainer \(a subclass of trl.SFTTrainer\) overrides"):
@@ -65,6 +72,7 @@ def test_trl_trainers_not_proven_are_refused_and_the_proven_ones_accepted():
         trl.SFTTrainer,
         trl.DPOTrainer,
         trl.GRPOTrainer,
+        trl.RLOOTrainer,
         type("Tagged", (trl.DPOTrainer,), {"_tag_names": ["x"]}),
     ):
         check_trainer_class(cls)
@@ -72,16 +80,25 @@ def test_trl_trainers_not_proven_are_refused_and_the_proven_ones_accepted():
         check_trainer_class(object)
 
 
-def test_grpo_rollouts_that_cannot_be_shared_over_a_group_are_refused():
-    """A vLLM rollout (server or colocate) generates per process: refused, naming what works."""
+def test_rl_rollouts_that_cannot_be_shared_over_a_group_are_refused():
+    """A vLLM rollout (server or colocate) generates per process: refused for GRPO and RLOO alike,
+    naming the trainer and what works."""
+    trl = pytest.importorskip("trl", reason="TRL is not installed (the floor versions' stage)")
     from types import SimpleNamespace
 
-    from easy_context.hf.rl import check_grpo_trainer
+    from easy_context.hf.rl import check_rl_trainer
 
-    vllm = SimpleNamespace(args=SimpleNamespace(use_vllm=True), use_vllm=True)
-    with pytest.raises(ValueError, match=r"use_vllm=True .*Use use_vllm=False: TRL's transformers generation"):
-        check_grpo_trainer(vllm)
-    tools = SimpleNamespace(args=SimpleNamespace(use_vllm=False), use_vllm=False, tools=[print])
+    def unbuilt(cls, use_vllm=False, **attributes):  # the attributes TRL's __init__ sets, no model
+        trainer = object.__new__(cls)
+        trainer.__dict__.update(args=SimpleNamespace(use_vllm=use_vllm), use_vllm=use_vllm, **attributes)
+        return trainer
+
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
+        name = cls.__name__
+        with pytest.raises(ValueError, match=rf"{name} with use_vllm=True .*Use use_vllm=False: TRL's transformers"):
+            check_rl_trainer(unbuilt(cls, use_vllm=True))
+        with pytest.raises(ValueError, match=f"{name} with use_transformers_continuous_batching=True"):
+            check_rl_trainer(unbuilt(cls, use_transformers_continuous_batching=True))
+        check_rl_trainer(unbuilt(cls))
     with pytest.raises(ValueError, match="GRPOTrainer with tools / environment_factory"):
-        check_grpo_trainer(tools)
-    check_grpo_trainer(SimpleNamespace(args=SimpleNamespace(use_vllm=False), use_vllm=False))
+        check_rl_trainer(unbuilt(trl.GRPOTrainer, tools=[print]))
