@@ -199,6 +199,37 @@ def misuse(rank: int, world: int) -> dict:
     return errors
 
 
+# The TRL runs compared with one process (DPO, GRPO, RLOO): plain SGD at a constant rate, every
+# step logged, nothing saved.
+SGD_RUN = dict(
+    learning_rate=0.1,
+    optim="sgd",
+    lr_scheduler_type="constant",
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    seed=7,
+    disable_tqdm=True,
+)
+
+
+def recorder(into: list, grads: dict | None = None):
+    """A TrainerCallback appending every log to `into`; given `grads`, it also keeps the first
+    optimizer step's gradients there."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            into.append(dict(logs or {}))
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if grads is not None and not grads:
+                grads.update({k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})
+
+    return Record()
+
+
 def preference_pairs(count: int, seed: int) -> dict:
     """Text preference pairs for the byte tokenizer: half with long prompts and short answers,
     half the reverse (row lengths that no layout divides)."""
@@ -234,17 +265,9 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
     import tempfile
 
     from datasets import load_from_disk
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     import easy_context as ec
-
-    class RecordLogs(TrainerCallback):
-        def __init__(self, into):
-            self.into = into
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            self.into.append(dict(logs or {}))
 
     results = []
     for loss_type, precompute, extra in spec["configs"]:
@@ -256,15 +279,7 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
                 per_device_train_batch_size=2,
                 per_device_eval_batch_size=2,
                 max_steps=spec.get("steps", 2),
-                learning_rate=0.1,
-                optim="sgd",
-                lr_scheduler_type="constant",
-                logging_steps=1,
-                save_strategy="no",
-                report_to=[],
-                use_cpu=True,
-                seed=7,
-                disable_tqdm=True,
+                **SGD_RUN,
                 loss_type=loss_type,
                 beta=0.5,
                 label_smoothing=0.1 if {"robust", "exo_pair"} & set(loss_type) else 0.0,
@@ -282,7 +297,7 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
                 train_dataset=load_from_disk(f"{spec['data']}/train"),
                 eval_dataset=load_from_disk(f"{spec['data']}/eval"),
                 processing_class=tokenizer(),
-                callbacks=[RecordLogs(records)],
+                callbacks=[recorder(records)],
             )
             if spec["mode"] is not None:
                 ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
@@ -327,25 +342,12 @@ def train_grpo(rank: int, world: int, spec: dict) -> list:
     import tempfile
 
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     import easy_context as ec
 
     rloo = spec.get("trainer", "grpo") == "rloo"
     config_class, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
-
-    class Record(TrainerCallback):
-        def __init__(self, logs, grads):
-            self.logs, self.grads = logs, grads
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            self.logs.append(dict(logs or {}))
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            if not self.grads:
-                grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-                self.grads.update(grads)
 
     results = []
     for extra in spec["configs"]:
@@ -362,15 +364,7 @@ def train_grpo(rank: int, world: int, spec: dict) -> list:
                 per_device_train_batch_size=4,
                 num_generations=4,
                 max_completion_length=10,
-                learning_rate=0.1,
-                optim="sgd",
-                lr_scheduler_type="constant",
-                logging_steps=1,
-                save_strategy="no",
-                report_to=[],
-                use_cpu=True,
-                seed=7,
-                disable_tqdm=True,
+                **SGD_RUN,
                 bf16=False,  # both configs default to bf16; gradient checkpointing stays on (their default)
                 max_grad_norm=0.0,  # no clipping: the gradients compared are the loss's own
                 model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
@@ -382,7 +376,7 @@ def train_grpo(rank: int, world: int, spec: dict) -> list:
                 args=config,
                 train_dataset=Dataset.from_dict(grpo_prompts(8, seed=5)),
                 processing_class=tokenizer("left"),
-                callbacks=[Record(logs, grads)],
+                callbacks=[recorder(logs, grads)],
             )
             if spec["mode"] is not None:
                 ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))

@@ -170,15 +170,6 @@ class DPOSeqParallelMixin:
             )
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    @property
-    def gather_function(self):
-        """Every rank of an SP group holds the same losses: keep each group's once."""
-        return self._seq_parallel.gather_once_per_sp_group
-
-    @gather_function.setter
-    def gather_function(self, value):
-        pass
-
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         if self.precompute_ref_logps and eval_dataset is not None and not isinstance(eval_dataset, str):
             raise ValueError(

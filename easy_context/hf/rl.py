@@ -245,12 +245,3 @@ class RLSeqParallelMixin:
     def _compute_loss(self, model, inputs):
         with self._rl_collectives.installed():
             return super()._compute_loss(model, inputs)
-
-    @property
-    def gather_function(self):
-        """Every rank of an SP group holds the same losses: keep each group's once."""
-        return self._seq_parallel.gather_once_per_sp_group
-
-    @gather_function.setter
-    def gather_function(self, value):
-        pass

@@ -69,9 +69,7 @@ RESTATED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 def prepare(context, trainer, balance_work=False):
     """easy_context.prepare_trainer in a SequenceParallel context (SequenceParallel.trainer)."""
     check_supported("accelerate")
-    if isinstance(
-        trainer, (SeqParallelTrainerMixin, DPOSeqParallelMixin, RLSeqParallelMixin, WorkBalancedTrainerMixin)
-    ):
+    if isinstance(trainer, (GatherOncePerSPGroup, WorkBalancedTrainerMixin)):
         raise ValueError("prepare_trainer was already called on this trainer")
     config = getattr(trainer.model, "config", None)
     if getattr(config, "model_type", None) is None:
@@ -105,6 +103,20 @@ def prepare(context, trainer, balance_work=False):
     return trainer
 
 
+class GatherOncePerSPGroup:
+    """In every class prepare_trainer makes (behind the trainer's own mixin): what the
+    evaluation loop and TRL gather results with. Every rank of an SP group holds the same
+    losses, labels and (gathered) logits, so keep each group's once."""
+
+    @property
+    def gather_function(self):
+        return self._seq_parallel.gather_once_per_sp_group
+
+    @gather_function.setter
+    def gather_function(self, value):
+        pass  # the Trainer sets accelerate's gather_for_metrics again after each evaluation loop
+
+
 class SeqParallelTrainerMixin:
     """Put in front of the trainer's class by prepare_trainer."""
 
@@ -131,16 +143,6 @@ class SeqParallelTrainerMixin:
             )
         # Counted over whole rows on each of the SP group's ranks.
         return super().compute_loss(model, local, return_outputs, num_items_in_batch / batches.topology.sp_size)
-
-    @property
-    def gather_function(self):
-        """What the evaluation loop gathers results with: every rank of an SP group holds the
-        same losses, labels and (gathered) logits, so keep each group's once."""
-        return self._seq_parallel.gather_once_per_sp_group
-
-    @gather_function.setter
-    def gather_function(self, value):
-        pass  # the Trainer sets accelerate's gather_for_metrics again after each evaluation loop
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # Logits are gathered back to whole rows only when the caller keeps them (predict(),
@@ -172,7 +174,7 @@ class WorkBalancedTrainerMixin:
 
 @functools.cache
 def _seq_parallel_class(base: type, mixin: type) -> type:
-    return type(f"SeqParallel{base.__name__}", (mixin, base), {"__module__": base.__module__})
+    return type(f"SeqParallel{base.__name__}", (mixin, GatherOncePerSPGroup, base), {"__module__": base.__module__})
 
 
 @functools.cache
