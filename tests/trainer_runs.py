@@ -230,6 +230,30 @@ def recorder(into: list, grads: dict | None = None):
     return Record()
 
 
+def assert_within_bf16_bound(ours: list, truth: dict, theirs: dict, lr: float) -> None:
+    """The bf16 bound of tests/distributed/test_mixed_precision.py for trainer runs: against the
+    fp32 run `truth`, each of `ours` (one per rank) errs in each step's loss, the eval loss, the
+    first step's gradients (where recorded) and the weights at most twice the unpatched one-process
+    bf16 run `theirs`, plus 1/256 (losses, gradients) or lr/256 (weights after SGD steps of lr)."""
+
+    def errors(run: dict) -> dict:
+        found = {f"loss {i}": abs(a["loss"] - b["loss"]) for i, (a, b) in enumerate(zip(run["logs"], truth["logs"]))}
+        assert len(run["logs"]) == len(truth["logs"]) == len(found) > 0
+        if "eval_loss" in truth:
+            found["eval loss"] = abs(run["eval_loss"] - truth["eval_loss"])
+        for name in ("grads", "weights"):
+            if truth.get(name):
+                found[name] = max((run[name][k] - v).abs().max().item() for k, v in truth[name].items())
+        return found
+
+    bound = errors(theirs)
+    slack = {name: lr / 256 if name == "weights" else 1 / 256 for name in bound}
+    for rank, run in enumerate(ours):
+        mine = errors(run)
+        print(f"BF16 rank {rank}: ours {mine} one-process bf16 {bound}")
+        assert all(mine[k] <= 2 * bound[k] + slack[k] for k in bound), f"rank {rank}: ours {mine}, bf16 {bound}"
+
+
 def preference_pairs(count: int, seed: int) -> dict:
     """Text preference pairs for the byte tokenizer: half with long prompts and short answers,
     half the reverse (row lengths that no layout divides)."""
@@ -258,9 +282,11 @@ def save_preference_data(folder: str) -> None:
 
 def train_dpo(rank: int, world: int, spec: dict) -> list:
     """TRL's DPOTrainer for each of spec["configs"] (loss_type list, precompute_ref_log_probs, other
-    DPOConfig fields as (name, value) pairs), one
-    after the other, on save_preference_data(spec["data"]): per-step losses and logged DPO metrics,
-    the eval loss, the final policy weights. spec["mode"] None: the unpatched reference in one process."""
+    DPOConfig fields as (name, value) pairs), one after the other, on save_preference_data(spec["data"]):
+    per-step losses and logged DPO metrics, the eval loss, the final policy weights. spec["batch"]:
+    pairs per device (2); spec["bf16"]: bf16 autocast; spec["lora"]: LoRA adapters of that rank (the
+    reference model: the adapters disabled). spec["mode"] None: the unpatched reference
+    in one process."""
     _as_distributed(rank, world)
     import tempfile
 
@@ -276,7 +302,7 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
         with tempfile.TemporaryDirectory() as out:
             config = DPOConfig(
                 output_dir=out,
-                per_device_train_batch_size=2,
+                per_device_train_batch_size=spec.get("batch", 2),
                 per_device_eval_batch_size=2,
                 max_steps=spec.get("steps", 2),
                 **SGD_RUN,
@@ -284,15 +310,17 @@ def train_dpo(rank: int, world: int, spec: dict) -> list:
                 beta=0.5,
                 label_smoothing=0.1 if {"robust", "exo_pair"} & set(loss_type) else 0.0,
                 precompute_ref_log_probs=precompute,
-                bf16=False,  # DPOConfig defaults to bf16 autocast; gradient checkpointing stays on (its default)
+                bf16=spec.get("bf16", False),  # DPOConfig's default is True; gradient checkpointing stays on
                 max_length=None,
                 dataset_num_proc=None,
                 **dict(extra),
             )
             trainer_class = DPOTrainer if spec["mode"] else type("ReferenceDPOTrainer", (SeededShuffle, DPOTrainer), {})
+            torch.manual_seed(0)  # the adapters' initial weights
             trainer = trainer_class(
                 model=tiny_model("llama", **BYTE_LLAMA),
-                ref_model=tiny_model("llama", **BYTE_LLAMA),
+                ref_model=None if spec.get("lora") else tiny_model("llama", **BYTE_LLAMA),
+                peft_config=lora_config(spec.get("lora")),
                 args=config,
                 train_dataset=load_from_disk(f"{spec['data']}/train"),
                 eval_dataset=load_from_disk(f"{spec['data']}/eval"),
@@ -336,8 +364,13 @@ def train_grpo(rank: int, world: int, spec: dict) -> list:
     """TRL's GRPOTrainer (or RLOOTrainer: spec["trainer"] "rloo") for each of spec["configs"]
     (GRPOConfig / RLOOConfig fields as (name, value) pairs), one after the other, sampling on:
     per-step losses and logged metrics, every rank's completions (token ids, as the reward
-    function got them), the gradients of the first step and the weights after the steps.
-    spec["mode"] None: the unpatched reference in one process."""
+    function got them), the gradients of the first step, the weights after the steps and, per
+    backward of TRL's fused head, whether it computed the entropy's gradient (entropy_gradients_seen).
+    spec["mode"] None: the unpatched reference in one process; spec["replay"] (one list per config)
+    makes it generate nothing and take those completions instead, one list of rows per rollout.
+    spec["batch"]: rows per device (4); spec["bf16"]: bf16 autocast; spec["lora"]: LoRA adapters of
+    that rank (with beta > 0 the reference is the policy with its adapters disabled);
+    spec["evaluate"]: then trainer.evaluate() on 4 other prompts (its metrics but the timings)."""
     _as_distributed(rank, world)
     import tempfile
 
@@ -347,43 +380,98 @@ def train_grpo(rank: int, world: int, spec: dict) -> list:
     import easy_context as ec
 
     rloo = spec.get("trainer", "grpo") == "rloo"
+    entropy_grads = entropy_gradients_seen()
     config_class, trainer_class = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
 
     results = []
-    for extra in spec["configs"]:
+    for index, extra in enumerate(spec["configs"]):
         logs, grads, drawn = [], {}, []
+        entropy_grads.clear()
+        replayed = list(spec["replay"][index]) if spec.get("replay") else None
 
         def reward(completions, completion_ids, drawn=drawn, **kwargs):
             drawn.append([list(ids) for ids in completion_ids])
             return byte_reward(completions, completion_ids)
 
         reward.__name__ = "byte_reward"
+        rewards = [reward]
+        if "reward_weights" in dict(extra):  # a config weighing two reward functions: the second, the length
+            rewards.append(lambda completion_ids, **kwargs: [float(len(ids)) for ids in completion_ids])
         with tempfile.TemporaryDirectory() as out:
             config = config_class(
                 output_dir=out,
-                per_device_train_batch_size=4,
+                per_device_train_batch_size=spec.get("batch", 4),
                 num_generations=4,
                 max_completion_length=10,
                 **SGD_RUN,
-                bf16=False,  # both configs default to bf16; gradient checkpointing stays on (their default)
+                bf16=spec.get("bf16", False),  # both configs default to True; gradient checkpointing stays on
                 max_grad_norm=0.0,  # no clipping: the gradients compared are the loss's own
                 model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
                 **{"max_steps": 2, **dict(extra)},
             )
-            trainer = trainer_class(
+            torch.manual_seed(0)  # the adapters' initial weights
+            trainer = (trainer_class if replayed is None else replaying(trainer_class, replayed, rloo))(
                 model=spec["policy"],  # save_grpo_policy's folder: with beta > 0 TRL loads its reference from it
-                reward_funcs=reward,
+                peft_config=lora_config(spec.get("lora")),
+                reward_funcs=rewards,
                 args=config,
                 train_dataset=Dataset.from_dict(grpo_prompts(8, seed=5)),
+                eval_dataset=Dataset.from_dict(grpo_prompts(4, seed=6)) if spec.get("evaluate") else None,
                 processing_class=tokenizer("left"),
                 callbacks=[recorder(logs, grads)],
             )
             if spec["mode"] is not None:
                 ec.prepare_trainer(spec["mode"], trainer, **spec.get("options", {}))
             trainer.train()
+            evaluated = trainer.evaluate() if spec.get("evaluate") else {}
             ec.remove_seq_parallel_monkey_patch()
             model = trainer.accelerator.unwrap_model(trainer.model)
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        assert not replayed, f"{len(replayed)} replayed rollouts left unused"
         train_logs = [log for log in logs if "loss" in log]
-        results.append({"logs": train_logs, "grads": grads, "weights": weights, "completions": drawn})
+        result = {"logs": train_logs, "grads": grads, "weights": weights, "completions": drawn}
+        result["entropy_grads"] = list(entropy_grads)
+        timings = ("runtime", "per_second", "step_time")
+        results.append({**result, "eval": {k: v for k, v in evaluated.items() if not any(t in k for t in timings)}})
     return results
+
+
+def entropy_gradients_seen() -> list:
+    """A list that gets, for each backward of TRL's fused LM head (trl.kernels'
+    ChunkedLogProbFunction), whether it was given a gradient for the entropy: that costs a
+    second pass over every (token x vocab) chunk, which a loss without the entropy bonus skips."""
+    from trl.kernels import chunked_logprob
+
+    function, seen = chunked_logprob.ChunkedLogProbFunction, []
+    backward = function.backward
+
+    def recording(ctx, grad_logprobs, grad_entropy, *rest):
+        seen.append(grad_entropy is not None)
+        return backward(ctx, grad_logprobs, grad_entropy, *rest)
+
+    function.backward = staticmethod(recording)  # this rank's process only
+    return seen
+
+
+def lora_config(rank: int | None):
+    """TRL's peft_config for rank-`rank` adapters on the attention projections (None: none); with
+    it the reference model is the policy with its adapters disabled."""
+    if not rank:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def replaying(trainer_class: type, rollouts: list, rloo: bool) -> type:
+    """`trainer_class` taking each rollout's completions from `rollouts` (popped in order) instead
+    of generating: the one-process reference given another run's completions (the rows of every
+    data-parallel group side by side, or a bf16 run's draw)."""
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        completions = rollouts.pop(0)
+        assert len(completions) == len(prompt_ids), (len(completions), len(prompt_ids))
+        return completions if rloo else (completions, None)
+
+    name = f"Replaying{trainer_class.__name__}"
+    return type(name, (trainer_class,), {"_generate_single_turn": _generate_single_turn})

@@ -14,8 +14,9 @@ the fused head
      that the SP group holds the same rows, the internal padding the layout needs);
   2. TRL's fused head scores this rank's shard from the pre-shifted labels (its shift_labels
      path, meant for context parallelism): this rank's per-token log-probs, in chunks;
-  3. each per-token output is put at its tokens' positions of a zero (B, S) row and summed over
-     the SP group (one all-reduce, differentiable): every rank then holds the whole rows' values,
+  3. each per-token output is put at its tokens' positions of a zero (B, S) row and the rows are
+     summed over the SP group (one all-reduce of them all; in the backward, one of the gradients
+     that exist): every rank then holds the whole rows' values,
      and TRL's `per_token_logps.sum(dim=1)` is each sequence's sum over the shards.
 
 Why an all-reduce of per-token rows rather than of the B per-sequence sums: TRL needs the
@@ -36,7 +37,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-__all__ = ["DPOSeqParallelMixin", "prepare_dpo", "is_dpo_trainer", "wrap_fused_forward", "sum_over_group"]
+__all__ = ["DPOSeqParallelMixin", "prepare_dpo", "is_dpo_trainer", "wrap_fused_forward", "sum_each_over_group"]
 
 # FusedCausalLMOutput's per-token fields, all-reduced to whole rows; loss is recomputed on them.
 PER_TOKEN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -46,26 +47,35 @@ def is_dpo_trainer(cls: type) -> bool:
     return any((c.__module__, c.__qualname__) == ("trl.trainer.dpo_trainer", "DPOTrainer") for c in cls.__mro__)
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """all_reduce(SUM) over `group`; its gradient is the sum of the ranks' gradients."""
+class _SumEachOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) over `group` of several same-shaped tensors in one collective. The backward
+    all-reduces, again at once, only the gradients that exist: an output that no loss term used
+    gets None, not zeros, so TRL's fused head skips that output's backward (the entropy's, an
+    extra pass over every (token x vocab) chunk, unless the entropy bonus is on)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, group, *xs):
         ctx.group = group
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        ctx.set_materialize_grads(False)
+        stacked = torch.stack([x.detach() for x in xs])
+        dist.all_reduce(stacked, group=group)
+        return tuple(x.clone() for x in stacked)  # separate storages: TRL may change a row in place
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+    def backward(ctx, *grads):
+        present = [i for i, grad in enumerate(grads) if grad is not None]
+        summed = [None] * len(grads)
+        if present:  # the same outputs on every rank: they all compute the same loss
+            stacked = torch.stack([grads[i] for i in present])
+            dist.all_reduce(stacked, group=ctx.group)
+            for i, grad in zip(present, stacked):
+                summed[i] = grad
+        return (None, *summed)
 
 
-def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
-    """Differentiable sum of `x` over the ranks of `group` (x itself without a group)."""
-    return x if group is None else _SumOverGroup.apply(x, group)
+def sum_each_over_group(xs: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Differentiable sums of each of `xs` over the ranks of `group` (xs themselves without a group)."""
+    return list(xs) if group is None else list(_SumEachOverGroup.apply(group, *xs))
 
 
 def check_dpo_trainer(trainer) -> None:
@@ -145,17 +155,17 @@ def _whole_rows(outputs, local: dict, batches, batch: int, length: int) -> dict:
     rows and summed over the SP group (one differentiable all-reduce of them all)."""
     names = [name for name in PER_TOKEN_OUTPUTS if getattr(outputs, name, None) is not None]
     values = [getattr(outputs, name) for name in names]
-    dtypes = [v.dtype for v in values]
-    stacked = torch.stack([v.to(torch.float32) for v in values])  # (F, B, L)
     padded = length + batches.layout.padding(length)
     index = local.get("seq_parallel_index")
     if index is None:
         sp_rank = batches.topology.sp_rank(dist.get_rank() if dist.is_initialized() else 0)
-        index = batches.layout.local_indices(padded, sp_rank).to(stacked.device).expand(batch, -1)
-    index = index.to(stacked.device).expand(len(names), -1, -1)
-    rows = stacked.new_zeros(len(names), batch, padded).scatter(2, index, stacked)
-    rows = sum_over_group(rows, batches._sp_group())
-    return {name: row.to(dtype) for name, row, dtype in zip(names, rows, dtypes)}
+        index = batches.layout.local_indices(padded, sp_rank)
+    rows = []
+    for value in values:  # each its own graph: an output no loss term uses gets no gradient
+        value = value.to(torch.float32)
+        rows.append(value.new_zeros(batch, padded).scatter(1, index.to(value.device).expand(batch, -1), value))
+    rows = sum_each_over_group(rows, batches.sp_group)
+    return {name: row.to(value.dtype) for name, row, value in zip(names, rows, values)}
 
 
 class DPOSeqParallelMixin:

@@ -179,7 +179,7 @@ class _OnePerGroup:
 
     def share_random_state(self) -> None:
         """Every rank of the SP group takes SP rank 0's random state (CPU and accelerator)."""
-        group = self.batches._sp_group()
+        group = self.batches.sp_group
         if group is None:
             return
         device = self.accelerator.device

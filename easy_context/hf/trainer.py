@@ -318,7 +318,9 @@ class _Batches:
 
         return recursively_apply(one_per_group, gather(data))
 
-    def _sp_group(self):
+    @property
+    def sp_group(self):
+        """This rank's SP process group (None in one process)."""
         return get_groups(self.topology).sp
 
     def group_sum(self, loss: torch.Tensor, targets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,8 +330,8 @@ class _Batches:
             raise ValueError("prepare_trainer: evaluation batches need labels")
         count = (targets != IGNORE_INDEX).sum().to(loss.dtype)
         stats = torch.stack([torch.where(count > 0, loss.detach() * count, torch.zeros_like(count)), count])
-        if self._sp_group() is not None:
-            dist.all_reduce(stats, group=self._sp_group())
+        if self.sp_group is not None:
+            dist.all_reduce(stats, group=self.sp_group)
         return stats[0], stats[1]
 
     def gather_logits(self, outputs, local: dict, row_length: int):

@@ -11,6 +11,11 @@ logged metrics 5e-5 (measured 8e-6: a sequence's summed log-prob of ~170 has an 
 1.5e-5, and the rewards are differences of two such sums). DPOConfig's bf16 default is set off;
 its gradient checkpointing stays on. The same test with the all-reduce of hf/preference.py
 removed fails at once (sigmoid: step-2 loss 0.780 against 0.872, weights off by 3.7e-4).
+
+Also: usp_attn over one SP group of 4 and zigzag_ring_attn over 2 data-parallel groups of 2
+(against one process reading 4 pairs a step), dist_flash_attn, LoRA through TRL's peft_config
+(the reference model being the policy with its adapters disabled), and bf16 autocast within
+the bound of trainer_runs.assert_within_bf16_bound.
 """
 
 import functools
@@ -18,7 +23,7 @@ import tempfile
 
 import pytest
 from ranks import run_ranks
-from trainer_runs import save_preference_data, train_dpo
+from trainer_runs import SGD_RUN, assert_within_bf16_bound, save_preference_data, train_dpo
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
@@ -39,16 +44,18 @@ ULYSSES = (
 )
 
 
-def _run(world: int, mode, configs) -> list:
+def _run(world: int, mode, configs, options=None, **spec) -> list:
+    """spec: train_dpo's batch and bf16; options: prepare_trainer's."""
     with tempfile.TemporaryDirectory() as data:
         save_preference_data(data)
-        spec = dict(mode=mode, data=data, configs=[(list(t), p, e) for t, p, e in configs])
-        return run_ranks(train_dpo, world, spec, timeout=200)
+        configs = [(list(t), p, e) for t, p, e in configs]
+        spec = dict(mode=mode, data=data, configs=configs, options=options or {}, **spec)
+        return run_ranks(train_dpo, world, spec, timeout=300)
 
 
 @functools.cache
-def _reference(configs) -> list:
-    return _run(1, None, configs)[0]
+def _reference(configs, batch: int = 2, bf16: bool = False) -> list:
+    return _run(1, None, configs, batch=batch, bf16=bf16)[0]
 
 
 def _off(value: float, reference: float) -> float:
@@ -83,3 +90,35 @@ def test_dpo_trainer_matches_single_process():
     for mode, configs in (("zigzag_ring_attn", ZIGZAG), ("ulysses_attn", ULYSSES)):
         results = _run(2, mode, configs)
         _assert_exact(results, _reference(configs), [f"{mode} {t} {dict(e)}" for t, _, e in configs])
+
+
+SIGMOID = ((("sigmoid",), False, ()),)  # the reference model run sharded
+
+
+@pytest.mark.timeout(400)
+def test_dpo_trainer_at_4_ranks():
+    """usp_attn over one SP group of 4 (Ulysses x ring, ring_degree 2); zigzag_ring_attn over 2
+    data-parallel groups of 2 (sp_size=2), against one process reading both groups' pairs (4 per
+    step) in the same order."""
+    _assert_exact(_run(4, "usp_attn", SIGMOID, dict(ring_degree=2)), _reference(SIGMOID), ["usp_attn sp4 sigmoid"])
+    results = _run(4, "zigzag_ring_attn", SIGMOID, dict(sp_size=2))
+    _assert_exact(results, _reference(SIGMOID, batch=4), ["zigzag_ring_attn dp2 x sp2 sigmoid"])
+
+
+@pytest.mark.timeout(300)
+def test_dpo_trainer_with_lora_and_dist_flash_attn():
+    """LoRA (TRL's peft_config; the reference model is the policy with its adapters disabled)
+    under zigzag_ring_attn; and dist_flash_attn (the reference model sharded) at 2 ranks."""
+    lora, reference = _run(2, "zigzag_ring_attn", SIGMOID, lora=4), _run(1, None, SIGMOID, lora=4)[0]
+    assert any("lora_" in name for name in reference[0]["weights"])
+    _assert_exact(lora, reference, ["zigzag_ring_attn LoRA sigmoid"])
+    _assert_exact(_run(2, "dist_flash_attn", SIGMOID), _reference(SIGMOID), ["dist_flash_attn sigmoid"])
+
+
+@pytest.mark.timeout(300)
+def test_dpo_trainer_bf16_within_its_bound():
+    """bf16 autocast (DPOConfig's default), zigzag_ring_attn at 2 ranks, within the bound of
+    trainer_runs.assert_within_bf16_bound (measured: losses 2.1e-3 against the one process's
+    3.1e-4 + 1/256, weights 4.6e-5 against 4.1e-5; without the all-reduce, losses 9.3e-2)."""
+    ours = [runs[0] for runs in _run(2, "zigzag_ring_attn", SIGMOID, bf16=True)]
+    assert_within_bf16_bound(ours, _reference(SIGMOID)[0], _reference(SIGMOID, bf16=True)[0], SGD_RUN["learning_rate"])

@@ -295,6 +295,26 @@ def test_grpo_example(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_bench_rl_smoke():
+    """benchmarks/bench_rl.py at 256 completion tokens: TRL's GRPOTrainer in one process, then
+    prepare_trainer's at 2 ranks, each a row with its step time and peak."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_rl", "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    header, *rows = table_rows(out)
+    assert header[:3] == ["config", "completion tokens", "step s"] and [r[0] for r in rows] == [
+        "trl P=1",
+        "zigzag_ring_attn P=2",
+    ]
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), rows
+
+
+@pytest.mark.timeout(120)
 def test_the_training_loop_example_equals_one_process():
     """examples/training_loop.py (the docs' and the README's custom loop): its losses at 2 ranks
     (zigzag_ring_attn) equal those of one unpatched process on the whole sequence."""
