@@ -13,6 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH_ATTENTION = [sys.executable, "-m", "benchmarks.bench_attention"]  # run from ROOT
 
 
+def run_module(module: str, *flags: str, timeout: int) -> str:
+    """`python -m module flags` from the repository root; its stdout (a failure fails the test)."""
+    command = [sys.executable, "-m", module, *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True, cwd=ROOT).stdout
+
+
 def table_rows(stdout: str) -> list[list[str]]:
     lines = [line for line in stdout.splitlines() if line.startswith("|") and not line.startswith("|---")]
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
@@ -298,14 +304,7 @@ def test_grpo_example(tmp_path):
 def test_bench_rl_smoke():
     """benchmarks/bench_rl.py at 256 completion tokens: TRL's GRPOTrainer in one process, then
     prepare_trainer's at 2 ranks, each a row with its step time and peak."""
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_rl", "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=True,
-        cwd=ROOT,
-    ).stdout
+    out = run_module("benchmarks.bench_rl", "--smoke", timeout=110)
     header, *rows = table_rows(out)
     assert header[:3] == ["config", "completion tokens", "step s"] and [r[0] for r in rows] == [
         "trl P=1",
@@ -331,23 +330,8 @@ def test_the_training_loop_example_equals_one_process():
 @pytest.mark.timeout(300)
 def test_bench_generate_smoke(tmp_path):
     csv_path = tmp_path / "generate.csv"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_generate",
-            "--smoke",
-            "--modes",
-            "zigzag_ring_attn",
-            "--csv",
-            str(csv_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=True,
-        cwd=ROOT,
-    ).stdout
+    flags = ("--smoke", "--modes", "zigzag_ring_attn", "--csv", str(csv_path))
+    out = run_module("benchmarks.bench_generate", *flags, timeout=280)
     header, *rows = table_rows(out)
     assert header[:4] == ["config", "S", "first token s", "ms/token"] and len(rows) == 4
     assert [r[0] for r in rows] == ["hf", "zigzag_ring_attn P=2"] * 2 and [r[1] for r in rows] == ["1000"] * 2 + [
