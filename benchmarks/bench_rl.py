@@ -7,15 +7,16 @@ The tiny Llama of bench_train.py (vocab 32000, 4 layers, hidden 256, 4 query / 2
 64), fp32, GRPOConfig's gradient checkpointing on (its default), loss type dapo, beta 0 and one
 iteration per generation (so each step is one log-prob forward and its backward per row), a
 prompt of --prompt-tokens and 2 completions of exactly L tokens per step (num_generations 2).
-The completions are given, not generated: the trainer's rollout (`_generate_single_turn`, replaced
-on the instance) returns fixed random tokens, so a row measures the training step (what scales with L in RL training);
-benchmarks/bench_generate.py measures the sharded rollout. Rows, each in fresh processes on the
-same cores (CPU, gloo, 2 threads in all):
+The completions are given, not generated: the trainer's rollout (`_generate_single_turn`,
+replaced on the instance) returns fixed random tokens, so a row measures the training step
+(what scales with L in RL training); benchmarks/bench_generate.py measures the sharded rollout.
+Rows, each in fresh processes on the same cores (CPU, gloo, 2 threads in all):
   trl P=1        1 process, 2 threads: the unpatched GRPOTrainer (TRL's fused LM head: per-token
                  log-probs without the (S x vocab) logits)
   MODE P=2       2 processes of one thread: prepare_trainer(MODE, trainer), one SP group
 Columns: the time of the second step (the first warms up), and the peak RSS growth of a rank
-over both steps (VmHWM reset when training starts), with --exact-memory's allocator setting.
+over both steps (VmHWM reset when training starts), the ranks returning freed memory to the OS
+at once (common.use_exact_memory).
 """
 
 from __future__ import annotations

@@ -160,10 +160,11 @@ def _whole_rows(outputs, local: dict, batches, batch: int, length: int) -> dict:
     if index is None:
         sp_rank = batches.topology.sp_rank(dist.get_rank() if dist.is_initialized() else 0)
         index = batches.layout.local_indices(padded, sp_rank)
+    index = index.to(values[0].device).expand(batch, -1)
     rows = []
     for value in values:  # each its own graph: an output no loss term uses gets no gradient
         value = value.to(torch.float32)
-        rows.append(value.new_zeros(batch, padded).scatter(1, index.to(value.device).expand(batch, -1), value))
+        rows.append(value.new_zeros(batch, padded).scatter(1, index, value))
     rows = sum_each_over_group(rows, batches.sp_group)
     return {name: row.to(value.dtype) for name, row, value in zip(names, rows, values)}
 

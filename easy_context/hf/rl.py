@@ -159,12 +159,7 @@ class _OnePerGroup:
         self.dp_size, self.sp_size = topology.dp_size, topology.sp_size
 
     def gather(self, tensor):
-        from accelerate.utils import gather, recursively_apply
-
-        def first_of_group(x):
-            return x.reshape(self.dp_size, self.sp_size, -1, *x.shape[1:])[:, 0].flatten(0, 1)
-
-        return recursively_apply(first_of_group, gather(tensor))
+        return self.batches.gather_sp_rank_0(tensor)
 
     def reduce(self, tensor, reduction="sum", scale=1.0):
         total = self.gather(tensor[None]).sum(0) * scale

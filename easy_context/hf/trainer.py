@@ -299,24 +299,28 @@ class _Batches:
             ),
         )
 
+    def gather_sp_rank_0(self, data):
+        """Gathered from every rank, each data-parallel group's SP rank 0's part kept (the group's
+        ranks hold the same values), in data-parallel order."""
+        from accelerate.utils import gather, recursively_apply
+
+        dp, sp = self.topology.dp_size, self.topology.sp_size
+        return recursively_apply(lambda x: x.reshape(dp, sp, -1, *x.shape[1:])[:, 0].flatten(0, 1), gather(data))
+
     def gather_once_per_sp_group(self, data, use_gather_object=False):
         """accelerate's gather_for_metrics over the data-parallel groups: SP rank 0's results
         of each group, with the tail that evened out the groups' batches dropped."""
         from accelerate.state import GradientState
-        from accelerate.utils import gather, recursively_apply
+        from accelerate.utils import recursively_apply
 
         if use_gather_object:
             raise ValueError(
                 "prepare_trainer: eval_use_gather_object=True is not supported; evaluation results must be tensors"
             )
-        dp, sp = self.topology.dp_size, self.topology.sp_size
-        state = GradientState()
-
-        def one_per_group(x):
-            x = x.reshape(dp, sp, -1, *x.shape[1:])[:, 0].flatten(0, 1)
-            return x[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else x
-
-        return recursively_apply(one_per_group, gather(data))
+        kept, state = self.gather_sp_rank_0(data), GradientState()
+        if state.end_of_dataloader and state.remainder > 0:
+            kept = recursively_apply(lambda x: x[: state.remainder], kept)
+        return kept
 
     @property
     def sp_group(self):
