@@ -1,7 +1,7 @@
 """Packed long-tailed rows under the three layouts a mode can hold them in, side by side in one
 run (issue 44), and the data-parallel order by work.
 
-    python -m benchmarks.bench_layouts                     # S=16K, P=2 and 4, 4 rows
+    python -m benchmarks.bench_layouts                     # S=16K, P=2, 4 and 8, 4 rows
     python -m benchmarks.bench_layouts --seq 32768 --rows 6
     python -m benchmarks.bench_layouts --smoke             # S=2K, P=2, seconds
 
@@ -20,6 +20,9 @@ out in a warm-up step and reused, as every layer of a training step reuses them.
   MiB/row    bytes the busiest rank sends per row through torch.distributed (forward + backward)
   balance    max/min query x key products per rank, from the kernel calls (worst row)
   x cut      tokens/s and bytes over document_split's (cut) in the same run
+  predicted  one layer's attention on a GPU ring (recipes/plan/packed.py: the row's schedule, its
+             kernel calls' products and the rows it moves, priced at the device's attention
+             TFLOP/s, link and latency, printed above the table), per row, and over cut's
 
 The data-parallel table composes measured row times into steps of dp 2 x sp 2: each row's time
 is measured at P=2 (zigzag_ring_attn, workload layout) and a step lasts as long as its slower
@@ -46,23 +49,9 @@ MODES = ("zigzag_ring_attn", "dist_flash_attn")
 
 def row_lengths(seq: int, seed: int) -> list[int]:
     """Document lengths of packed row `seed`: log-normal, at least 64 tokens."""
-    from benchmarks.mask_balance import long_tailed_lengths
+    from recipes.plan.packed import long_tailed_lengths
 
     return long_tailed_lengths(seq, random.Random(seed), shortest=64)
-
-
-def _shares(layout: str, first_key, seq: int, size: int, zigzag: bool, tolerance: float):
-    """Each ring rank's global positions (None: the static layout)."""
-    import torch
-
-    from easy_context.core.balance import place_documents, split_documents
-
-    valid = torch.ones(seq, dtype=torch.bool)
-    if layout == "static":
-        return None
-    if layout == "cut":
-        return split_documents(first_key, valid, size, zigzag)
-    return place_documents(first_key, valid, size, zigzag, tolerance)
 
 
 def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict:
@@ -76,12 +65,13 @@ def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict
     from easy_context.core.masking import SequenceMask
     from easy_context.modes.dist_flash_attn import dist_flash_attention
     from easy_context.modes.zigzag_ring_attn import zigzag_ring_attention
+    from recipes.plan.packed import LinkModel, packed_mask, predict, round_costs, schedule_of, shares_of
 
     seq, size, rank = spec["seq"], dist.get_world_size(), dist.get_rank()
     zigzag = mode == "zigzag_ring_attn"
-    positions = torch.cat([torch.arange(n) for n in row_lengths(seq, seed)])[None]
-    first_key = SequenceMask.from_positions(positions).first_key
-    shares = _shares(layout, first_key[0], seq, size, zigzag, spec["tolerance"])
+    whole_mask = packed_mask(row_lengths(seq, seed))
+    first_key = whole_mask.first_key
+    shares = shares_of(layout, whole_mask, size, spec["tolerance"])
     row_layout = None if shares is None else RowLayout([share[None] for share in shares])
     index = Layout(zigzag, size).local_indices(seq, rank) if shares is None else shares[rank]
     generator = torch.Generator().manual_seed(seed)
@@ -113,7 +103,15 @@ def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict
         sent.append(elapsed[1].item())
     whole_positions = None if shares is None else [share[None] for share in shares]
     work = WORK_OF[mode](SequenceMask(first_key), seq, size, whole_positions)
-    return {"seconds": statistics.median(times), "bytes": max(sent), "balance": max(work) / max(1, min(work))}
+    model = spec["model"]
+    rounds = round_costs(schedule_of(mode, whole_mask, seq, size, shares), size, seq // size)
+    predicted = predict(rounds, *spec["model_shape"], LinkModel(**model))["seconds"]
+    return {
+        "seconds": statistics.median(times),
+        "bytes": max(sent),
+        "balance": max(work) / max(1, min(work)),
+        "predicted": predicted,
+    }
 
 
 def _worker(rank: int, world: int, spec: dict, workdir: str) -> None:
@@ -147,7 +145,20 @@ def run_world(spec: dict, world: int) -> list[dict]:
 
 def layout_table(results: dict, seq: int, rows: int) -> str:
     lines = [
-        table_header(["mode", "P", "layout", "tokens/s", "MiB/row", "balance (worst)", "tokens/s x cut", "bytes x cut"])
+        table_header(
+            [
+                "mode",
+                "P",
+                "layout",
+                "tokens/s",
+                "MiB/row",
+                "balance (worst)",
+                "tokens/s x cut",
+                "bytes x cut",
+                "predicted GPU ms/row",
+                "predicted x cut",
+            ]
+        )
     ]
     for (world, mode), cells in results.items():
         totals = {}
@@ -158,12 +169,19 @@ def layout_table(results: dict, seq: int, rows: int) -> str:
                 seq * rows / seconds,
                 sum(c["bytes"] for c in mine) / rows,
                 max(c["balance"] for c in mine),
+                sum(c["predicted"] for c in mine) / rows,
             )
-        for layout, (speed, sent, balance) in totals.items():
-            cut_speed, cut_sent = totals["cut"][:2]
+        for layout, (speed, sent, balance, predicted) in totals.items():
+            cut_speed, cut_sent, _, cut_predicted = totals["cut"]
             bytes_ratio = f"{sent / cut_sent:.2f}" if cut_sent else "-"
             cells_out = [mode, str(world), layout, f"{speed:,.0f}", f"{sent / 2**20:.1f}", f"{balance:.3f}"]
-            lines.append(table_row([*cells_out, f"{speed / cut_speed:.2f}", bytes_ratio]))
+            ratios = [
+                f"{speed / cut_speed:.2f}",
+                bytes_ratio,
+                f"{predicted * 1e3:.3f}",
+                f"{predicted / cut_predicted:.2f}",
+            ]
+            lines.append(table_row([*cells_out, *ratios]))
     return "\n".join(lines)
 
 
@@ -195,9 +213,9 @@ def data_parallel_table(seconds: list[float], seq: int, rows: int) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--sizes", default="2,4")
+    parser.add_argument("--sizes", default="2,4,8")
     parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--dp-rows", type=int, default=16, help="rows timed for the data-parallel table")
+    parser.add_argument("--dp-rows", type=int, default=16, help="rows timed for the data-parallel table (0: none)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -206,6 +224,12 @@ def main():
         "--tolerance", type=float, default=None, help="the workload layout's max/min work (default: WORK_TOLERANCE)"
     )
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--model-shape",
+        default="32,8,128",
+        help="query heads, K/V heads, head dim of the predicted GPU step (default: Llama-3-8B's attention)",
+    )
+    parser.add_argument("--gpu", default="h100-80g", help="the planner's device whose figures the prediction uses")
     parser.add_argument("--smoke", action="store_true", help="S=2K, P=2, 2 rows, 4 data-parallel rows")
     args = parser.parse_args()
     if args.smoke:
@@ -214,6 +238,14 @@ def main():
 
     args.tolerance = WORK_TOLERANCE if args.tolerance is None else args.tolerance
     spec = {k: getattr(args, k) for k in ("seq", "rows", "steps", "heads", "kv_heads", "head_dim", "tolerance")}
+    from recipes.plan.catalogue import get_device
+    from recipes.plan.packed import LinkModel
+    from recipes.plan.speed import efficiency
+
+    device = get_device(args.gpu)
+    link = LinkModel(tflops=device.tflops * efficiency(device)[1], link_gbs=device.link_gbs)
+    spec["model"] = {"tflops": link.tflops, "link_gbs": link.link_gbs}
+    spec["model_shape"] = [int(x) for x in args.model_shape.split(",")]
     print(
         f"S={args.seq}, {args.rows} long-tailed packed rows (log-normal, median 300, >= 64 tokens); "
         f"q {args.heads} / kv {args.kv_heads} heads x {args.head_dim}, fp32, forward + backward, CPU gloo; "
@@ -223,7 +255,14 @@ def main():
     for world in map(int, args.sizes.split(",")):
         for row in run_world({**spec, "modes": args.modes.split(","), "layouts": LAYOUTS}, world):
             results.setdefault((world, row["mode"]), []).append(row)
+    heads, kv_heads, head_dim = spec["model_shape"]
+    print(
+        f"predicted GPU ms/row: one layer's attention (forward + backward) of {heads} / {kv_heads} heads x {head_dim}, "
+        f"bf16, on {device.name} (recipes/plan/packed.py's model): {link.describe()}"
+    )
     print(layout_table(results, args.seq, args.rows))
+    if not args.dp_rows:
+        return
     dp = run_world({**spec, "rows": args.dp_rows, "modes": ("zigzag_ring_attn",), "layouts": ("workload",)}, 2)
     seconds = [c["seconds"] for c in sorted(dp, key=lambda c: c["row"])]
     print(f"\ndata parallel: {args.dp_rows} rows timed at P=2 (zigzag_ring_attn, workload), composed into dp 2 steps")

@@ -21,6 +21,7 @@ BENCHMARKS=(
   "ulysses_memory|9|python -m benchmarks.bench_attention --seq-len 8192,16384 --iters 1 --exact-memory --world-sizes 2,4 --modes ulysses_attn,usp_attn,deepspeed_ulysses,zigzag_ring_attn"
   "attention_memory|6|python -m benchmarks.bench_attention --seq-len 8192 --iters 1 --exact-memory --world-sizes 1,2,4 --wait-idle 120 --retry-busy 1 --csv docs/bench_attention_memory.csv"
   "masks_balance|1|python -m benchmarks.mask_balance --seeds 10"
+  "layouts|2|python -m benchmarks.bench_layouts --steps 2 --dp-rows 0"
   "masks|10|python -m benchmarks.bench_attention --seq-len 16384 --world-sizes 2 --modes baseline,zigzag_ring_attn,dist_flash_attn,ulysses_attn --masks causal,packed-1k,long-tail,window-1k --iters 3 --wait-idle 60 --retry-busy 1 --csv docs/bench_attention_masks.csv"
   "train|35|python -m benchmarks.bench_train --seq-lengths 4096,8192,16384 --exact-memory --verify-length 65536 --csv docs/bench_train.csv"
   "sharding|90|python -m benchmarks.bench_sharding --seq-lengths 16384,32768 --exact-memory --csv docs/bench_sharding.csv"
@@ -37,6 +38,7 @@ BENCHMARKS=(
 QUICK=(
   "attention|1|python -m benchmarks.bench_attention --smoke"
   "masks|1|python -m benchmarks.bench_attention --smoke-masks"
+  "layouts|1|python -m benchmarks.bench_layouts --smoke"
   "train|2|python -m benchmarks.bench_train --smoke"
   "sharding|2|python -m benchmarks.bench_sharding --smoke"
   "generate|2|python -m benchmarks.bench_generate --smoke"

@@ -40,7 +40,7 @@ def check_document_split_value(value) -> None:
         return
     raise ValueError(
         f"document_split={value!r} is not one of None, False, True (every document cut over the ring) "
-        "or 'workload' (documents whole on one rank each, only the longest cut over the ring)"
+        "or 'workload' (each document whole on one rank or cut over as few ranks as the balance needs)"
     )
 
 
@@ -127,17 +127,15 @@ class RowLayout:
         return len(self.shares)
 
     @classmethod
-    def of_documents(
-        cls, position_ids, attention_mask, ring_degree: int, ulysses_degree: int, zigzag: bool, split=True
-    ) -> RowLayout:
+    def of_documents(cls, position_ids, attention_mask, ring_degree: int, ulysses_degree: int, split=True) -> RowLayout:
         """The split of a batch (position_ids (B, S): documents restart their positions; attention_mask
-        (B, S) 0/1 or None), each row placed on the ring by DOCUMENT_SPLITS[split], cutting
-        documents zigzag or contiguous as the mode cuts one causal row."""
+        (B, S) 0/1 or None), each row placed on the ring by DOCUMENT_SPLITS[split]. Documents
+        are cut zigzag in every mode: each mode runs a layout per row as a ring."""
         place = DOCUMENT_SPLITS[split]
         valid = None if attention_mask is None else attention_mask.cpu().bool()
         first_key = SequenceMask.from_positions(position_ids, valid).first_key
         valid = torch.ones_like(first_key, dtype=torch.bool) if valid is None else valid
-        per_row = [place(first_key[b], valid[b], ring_degree, zigzag) for b in range(len(valid))]
+        per_row = [place(first_key[b], valid[b], ring_degree) for b in range(len(valid))]
         return cls([torch.stack([shares[r] for shares in per_row]) for r in range(ring_degree)], ulysses_degree)
 
     @classmethod

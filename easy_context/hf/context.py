@@ -278,10 +278,7 @@ def _split_index(mode, topology, position_ids, attention_mask, sp_rank, split) -
     """document_split: this SP rank's rows, (B, S_local) global positions: per row, its ring
     rank's share of the row as `split` places the documents, cut into Ulysses pieces
     (core.layout.RowLayout)."""
-    zigzag = topology.ring_degree > 1 and mode.zigzag
-    layout = RowLayout.of_documents(
-        position_ids, attention_mask, topology.ring_degree, topology.ulysses_degree, zigzag, split
-    )
+    layout = RowLayout.of_documents(position_ids, attention_mask, topology.ring_degree, topology.ulysses_degree, split)
     return layout.local_indices(sp_rank).to(position_ids.device)
 
 

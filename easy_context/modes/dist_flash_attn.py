@@ -14,20 +14,31 @@ rank computes the same number of query x key products: the diagonal plus (P-1)/2
 for any number of ranks. The executor fetches the next round's K/V and queries while the
 current round computes and sends partial results back while the next one computes; with
 gradient checkpointing the forward is not recomputed in the backward.
+
+Under a layout of its own per row (document_split) the layout balances the work, and the mode
+runs it as a ring (`dist_flash_schedule`).
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from easy_context.core.executor import REMAT_CACHE, Unit, execute
-from easy_context.core.layout import ring_layout
+from easy_context.core.layout import Layout
 from easy_context.core.masking import FULL_ROWS, Block
+from easy_context.core.ring import RingSchedule, masked_ring_steps
 from easy_context.modes import SeqParallelMode, fixed_ring_degree
 from easy_context.modes.costs import Activations, AttentionShape, balanced_schedule_traffic
 
-__all__ = ["dist_flash_attention", "balanced_schedule", "products_per_rank", "split_rows", "REMAT_CACHE", "MODE"]
+__all__ = [
+    "dist_flash_attention",
+    "dist_flash_schedule",
+    "DistFlashSchedule",
+    "balanced_schedule",
+    "products_per_rank",
+    "REMAT_CACHE",
+    "MODE",
+]
 
 
 def balanced_schedule(size: int) -> list[list[Unit]]:
@@ -56,26 +67,34 @@ def products_per_rank(size: int, seq_len: int) -> list[int]:
     return work
 
 
+def dist_flash_schedule(mask, size: int, local_len: int, device):
+    """The executor schedule dist_flash_attn runs for `mask` on `size` ranks. The balanced
+    schedule's helpers balance the static contiguous layout; a layout of its own per row
+    (document_split, core/balance.py) balances its own work, its documents cut zigzag over the
+    ranks they need (keys on later ranks included), so it runs as a ring: every unit computed
+    by its query owner, a document's K/V only within the ranks it is cut over, and no query
+    rows travelling."""
+    if mask is not None and mask.row_layout is not None:
+        return RingSchedule(masked_ring_steps(mask, False, size, local_len, device), size, local_len, local_len)
+    return DistFlashSchedule(mask, size, local_len, device)
+
+
 class DistFlashSchedule:
-    """The balanced schedule as the executor runs it (an executor.Schedule). Kernel calls of
-    each unit: one block (causal on the diagonal) without a mask; under a mask, the mask's
-    blocks on the ring's layout, and units with no allowed pair are dropped on every rank (no
-    compute, no transfer)."""
+    """The balanced schedule on the static contiguous layout, as the executor runs it (an
+    executor.Schedule). Kernel calls of each unit: one block (causal on the diagonal) without a
+    mask; under a mask, the mask's blocks, and units with no allowed pair are dropped on every
+    rank (no compute, no transfer)."""
 
     def __init__(self, mask, size: int, local_len: int, device):
+        if mask is not None and mask.row_layout is not None:
+            raise ValueError("a layout per row runs as a ring: use dist_flash_schedule")
         self.mask, self.device, self.local_len = mask, device, local_len
         self.masked = mask is not None and not mask.is_causal
-        self.layout, self.seq_len = ring_layout(mask, False, size), local_len * size
+        self.layout, self.seq_len = Layout(False, size), local_len * size
         self.rounds = [[u for u in units if self._needed(u)] for units in balanced_schedule(size)]
 
     def rows(self, unit: Unit) -> slice:
-        """The unit's query rows. The middle round's halves split the unit's work, which for a
-        layout of its own per row (document_split) is not half of its rows."""
-        if not self.layout.per_row:
-            return unit.rows(self.local_len)
-        return split_rows(
-            self.mask, unit, {r: self._positions(r) for r in (unit.q_owner, unit.kv_owner)}, self.local_len
-        )
+        return unit.rows(self.local_len)
 
     def keys(self, unit: Unit):
         """The K/V owner's rows the unit's queries may attend: under a mask only these travel
@@ -104,29 +123,14 @@ class DistFlashSchedule:
         return not self.masked or self.mask.has_pairs(("dist_flash", self.seq_len, unit), *self._indices(unit))
 
 
-def split_rows(mask, unit: Unit, index, local_len: int) -> slice:
-    """Rows of a unit under a per-row layout: all of them, or the half of the allowed pairs of
-    q_owner's rows x kv_owner's keys that `unit.part` names (cut at the same row on every rank:
-    the mask is the same everywhere). index[rank]: the rank's global positions, for the unit's
-    q_owner and kv_owner at least."""
-    if unit.parts == 1:
-        return slice(0, local_len)
-
-    def cut():
-        work = mask.pairs_per_query(index[unit.q_owner], index[unit.kv_owner]).cumsum(0)
-        return int(torch.searchsorted(work, work[-1] / 2).clamp(1, local_len - 1)) if local_len > 1 else 0
-
-    at = mask.memo(("dist_flash cut", unit.q_owner, unit.kv_owner), cut)
-    return slice(0, at) if unit.part == 0 else slice(at, local_len)
-
-
 def dist_flash_attention(q, k, v, scale, group=None, layer=None, mask=None, softcap=None, sinks=None):
     """Causal attention of contiguously sharded q/k/v over `group`. `layer` (the HF
     attention module) enables checkpoint-aware reuse of the forward output; `mask` (a
     SequenceMask over the group's whole sequence) restricts the attention further; softcap
     and sinks as in ring.ring_attention."""
     size = dist.get_world_size(group) if group is not None else 1
-    return execute(q, k, v, scale, DistFlashSchedule(mask, size, q.shape[2], q.device), group, layer, softcap, sinks)
+    schedule = dist_flash_schedule(mask, size, q.shape[2], q.device)
+    return execute(q, k, v, scale, schedule, group, layer, softcap, sinks)
 
 
 def dist_flash_activations(shape: AttentionShape) -> Activations:

@@ -4,7 +4,8 @@ recipes.plan`, cli.py; docs/planner.md).
 
 catalogue.py: models, devices, options; sharding.py: the DDP / ZeRO-3 / FSDP2 settings, one table;
 memory.py: the peak-memory model; speed.py: the roofline and the FLOP count;
-planner.py: layouts, rows, the recommendation; cli.py: the table and the command line. What a
+planner.py: layouts, rows, the recommendation; packed.py: packed rows' layout (static, cut or
+workload) from each one's schedule priced on a GPU ring; cli.py: the table and the command line. What a
 mode costs (bytes sent, activation terms) the mode declares (easy_context/modes/costs.py).
 """
 
@@ -44,6 +45,7 @@ from recipes.plan.memory import (
     loss_bytes_per_token,
     offloads_checkpoints,
 )
+from recipes.plan.packed import LAYOUTS, LinkModel, choose_layout, packed_layout, predict, round_costs
 from recipes.plan.planner import (
     candidate_options,
     check_layout,
@@ -72,11 +74,13 @@ __all__ = [
     "EFFICIENCY",
     "GIB",
     "IN_FLIGHT",
+    "LAYOUTS",
     "MIB",
     "PRESETS",
     "SHARDINGS",
     "ZERO_CHOICES",
     "Device",
+    "LinkModel",
     "ModelShape",
     "Options",
     "PlanError",
@@ -87,6 +91,7 @@ __all__ = [
     "attention_transient",
     "candidate_options",
     "check_layout",
+    "choose_layout",
     "complexity",
     "default_chunk",
     "default_host_memory",
@@ -105,9 +110,12 @@ __all__ = [
     "machine_memory_gib",
     "main",
     "offloads_checkpoints",
+    "packed_layout",
     "parse_args",
     "plan",
+    "predict",
     "render",
+    "round_costs",
     "row_of",
     "shape_from_config",
     "sharding_seconds",

@@ -26,6 +26,7 @@ from recipes.plan.catalogue import (
     get_device,
     load_model,
 )
+from recipes.plan.packed import packed_layout
 from recipes.plan.planner import flags_of, plan
 from recipes.plan.sharding import SHARDINGS
 
@@ -68,7 +69,9 @@ def table_cells(rank: int, r: dict) -> list:
     ]
 
 
-def render(result: dict, rows: list, packed: bool = False) -> str:
+def render(result: dict, rows: list, packed: bool = False, layout_choice: tuple | None = None) -> str:
+    """The table and the recommendation; `layout_choice`: (layout, why) for packed rows
+    (packed.packed_layout), None where the recommended mode takes no layout per row."""
     m, dev = result["model"], result["device"]
     out = [
         f"model {m['name']}: {result['params'] / 1e9:.2f}B params, hidden {m['hidden']}, "
@@ -103,7 +106,10 @@ def render(result: dict, rows: list, packed: bool = False) -> str:
             + (f", ring_degree {best['ring_degree']}" if get_mode(best["mode"]).takes_ring_degree else "")
             + f": {best['peak_gib']:.2f} GiB/rank predicted, {best['tokens_per_s']:.0f} tokens/s predicted"
         )
-        out.append("  " + flags_of(best, result["seq_length"], packed))
+        layout = layout_choice[0] if layout_choice else "workload"
+        out.append("  " + flags_of(best, result["seq_length"], packed, layout))
+        if layout_choice:
+            out.append(f"  packed rows: the {layout} layout, the least {layout_choice[1]}")
         out.append(f"  memory at the peak ({best['peak_phase']}):")
         for k, v in best["terms_gib"].items():
             out.append(f"    {k}: {v:.2f} GiB")
@@ -181,7 +187,8 @@ def parse_args(argv=None):
         "--packed-documents",
         action="store_true",
         help="the rows are packed documents: the command gets --document-masking and, in modes that take a "
-        "layout per row, --balance-documents workload",
+        "layout per row, the layout with the least predicted attention time (static, cut or workload; "
+        "recipes/plan/packed.py)",
     )
     p.add_argument("--top", type=int, default=15, help="rows to print (best first)")
     p.add_argument("--all", action="store_true", help="print every combination")
@@ -236,7 +243,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({**result, "rows": rows, "rows_total": len(result["rows"])}, indent=1))
     else:
-        print(render(result, rows, args.packed_documents))
+        choice = None
+        if args.packed_documents and result["recommendation"]:
+            choice = packed_layout(result["recommendation"], model, device, args.gpus, args.seq_length)
+        print(render(result, rows, args.packed_documents, choice))
     if result["recommendation"] is None:
         small = result["smallest"]
         more = f"{small['gpus']} x {args.gpu}" if small["gpus"] else "no GPU count up to 65536"

@@ -15,6 +15,7 @@ from recipes.plan.catalogue import (
     PlanError,
 )
 from recipes.plan.memory import default_chunk, default_tile, estimate, host_memory
+from recipes.plan.packed import LAYOUT_FLAGS
 from recipes.plan.sharding import SHARDINGS
 from recipes.plan.speed import throughput
 
@@ -133,16 +134,16 @@ def row_of(model, seq, gpus, o: Options, device, dtype, margin, persistent_grads
     }
 
 
-def flags_of(row: dict, seq: int, packed: bool = False) -> str:
+def flags_of(row: dict, seq: int, packed: bool = False, layout: str = "workload") -> str:
     """train.py / accelerate flags for a row (`seq`: the sequence length planned for). `packed`:
     the rows are packed documents: document masking, and in modes that take a layout per row
-    the workload layout (whole short documents, the longest cut; docs/benchmarks.md)."""
+    `layout` (packed.LAYOUT_FLAGS; the CLI passes packed.packed_layout's choice)."""
     parts = [f"--parallel-mode {row['mode']}"]
     mode = get_mode(row["mode"])
     if packed:
         parts.append("--document-masking")
-        if mode.document_split and row["sp_size"] > 1:
-            parts.append("--balance-documents workload")
+        if mode.document_split and row["sp_size"] > 1 and LAYOUT_FLAGS[layout]:
+            parts.append(LAYOUT_FLAGS[layout])
     if mode.sequence_parallel and row["dp_size"] > 1:
         parts.append(f"--sp-size {row['sp_size']}")
     if mode.takes_ring_degree:

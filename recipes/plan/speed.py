@@ -8,7 +8,7 @@ from recipes.plan.catalogue import Device, ModelShape, Options
 from recipes.plan.memory import attention_shape, offloads_checkpoints
 from recipes.plan.sharding import SHARDINGS
 
-__all__ = ["ATTENTION_EFFICIENCY", "EFFICIENCY", "efficiency", "sharding_seconds", "throughput"]
+__all__ = ["ATTENTION_EFFICIENCY", "EFFICIENCY", "efficiency", "group_bandwidth", "sharding_seconds", "throughput"]
 
 # The roofline's efficiency: the achieved fraction of a device's peak on the FLOPs executed.
 # Its one place; docs/planner.md ("Roofline") repeats it.
@@ -33,6 +33,19 @@ ATTENTION_EFFICIENCY = {"h200": 0.33, "h100-80g": 0.33}
 def efficiency(device: Device) -> tuple[float, float]:
     """(matmuls and the rest, attention): the fractions of `device`'s peak the roofline assumes."""
     return EFFICIENCY, ATTENTION_EFFICIENCY.get(device.name, EFFICIENCY)
+
+
+def group_bandwidth(device: Device, gpus: int, group: int, stride: int = 1) -> float:
+    """Bytes/s one way per rank of a group of `group` ranks `stride` apart among `gpus`.
+
+    Ranks fill nodes in order, min(per_node, gpus) to a node. A group starts at a multiple of
+    its span (group x stride consecutive ranks): it stays on one node when its span divides the
+    node's ranks, and else crosses the network, whose bandwidth then bounds it (a ring runs at
+    its slowest hop; an all-to-all waits for its slowest pair). usp_attn's ring (stride u) with
+    Ulysses (u | node) inside a node is the case this prices: the all-to-all on the node's
+    links, only the ring on the network."""
+    node, span = min(device.per_node, gpus), group * stride
+    return (device.link_gbs if span <= node and node % span == 0 else device.network_gbs) * 1e9
 
 
 def sharding_seconds(model: ModelShape, gpus: int, o: Options, device: Device, a: int, link_bytes_per_s: float):
@@ -99,17 +112,8 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
     t_compute = s * (counted["matmuls"] / eff + counted["attention"] / attn_eff) / (device.tflops * 1e12)
     flops = counted["matmuls"] + counted["attention"]
 
-    # Ranks fill nodes in order, min(per_node, gpus) to a node. A group of `group` ranks `stride`
-    # apart starts at a multiple of its span (group x stride consecutive ranks): it stays on one
-    # node when its span divides the node's ranks, and else crosses the network, whose
-    # bandwidth then bounds it (a ring runs at its slowest hop; an all-to-all waits for its
-    # slowest pair). usp_attn's ring (stride u) with Ulysses (u | node) inside a node is the case
-    # this prices: the all-to-all on the node's links, only the ring on the network.
-    node = min(device.per_node, gpus)
-
     def bw(group: int, stride: int = 1) -> float:
-        span = group * stride
-        return (device.link_gbs if span <= node and node % span == 0 else device.network_gbs) * 1e9
+        return group_bandwidth(device, gpus, group, stride)
 
     traffic = mode.traffic(attention_shape(model, o, a, seq))
     forwards = 2 if o.checkpointing and not mode.keeps_attention_output else 1

@@ -192,8 +192,9 @@ class DataConfig:
     balance_documents: str | None = option(
         None,
         "with --document-masking: the same attention work on every rank, results unchanged. cut (the bare flag): "
-        "every document cut over the ring (document_split=True); workload: documents whole on one rank each, only "
-        "the longest cut, less traffic (document_split='workload'). ulysses_attn is balanced already",
+        "every document cut over the ring (document_split=True); workload: each document whole on one rank or cut "
+        "over as few ranks as the balance needs, less traffic (document_split='workload'). ulysses_attn is "
+        "balanced already",
         needs("--document-masking", " (it balances documents)"),
         nargs="?",
         const="cut",

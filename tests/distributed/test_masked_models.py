@@ -280,9 +280,16 @@ def test_packed_documents_equal_each_document_run_alone():
         start += length
 
 
-# Long documents among short ones: under document_split="workload" the long ones are cut over
-# the ring, (unpadded) a few spill over two or three ranks, and the rest stay whole on one rank.
-WORKLOAD_ROWS = torch.stack([packed([40, 5, 6, 7, 3, 8, 4, 6, 5, 4, 8]), packed([3, 9, 2, 33, 6, 1, 5, 7, 4, 26])])
+# Long documents among short ones: under document_split="workload" each document gets a degree.
+# Row 0's 40 tokens are cut over the whole ring; row 1's two of 21 over ranks (0, 1) and (2, 3) at
+# P=4 (rank 0's second piece needs rank 1's first: keys on a later rank), over ranks 0..2 at P=3;
+# the rest whole, and (unpadded) a few short ones spill over two or three ranks.
+WORKLOAD_ROWS = torch.stack(
+    [
+        packed([40, 5, 6, 7, 3, 8, 4, 6, 5, 4, 8]),
+        packed([6, 3, 21, 6, 7, 1, 2, 3, 4, 1, 9, 21, 2, 1, 2, 4, 2, 1]),
+    ]
+)
 # (document_split, position_ids, attention_mask)
 SPLITS = ((True, PACKED_ROWS, PADDING), ("workload", WORKLOAD_ROWS, None), ("workload", WORKLOAD_ROWS, PADDING))
 SPLIT_MODELS = (("qwen3", "qwen3", {}), ("mistral-window", "mistral", {"sliding_window": 30}))

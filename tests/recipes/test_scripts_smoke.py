@@ -398,3 +398,15 @@ def test_bench_long_context_dry_run(tmp_path):
     assert "Ceiling: the longest S that trained is 2,048 tokens" in out, out and "Host: full depth at 2,048" in out
     report = json.loads((tmp_path / "lc.json").read_text())
     assert report["ceiling"]["longest_seq"] == 2048 and report["host"]["host_bytes_needed"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_layouts_smoke():
+    """benchmarks/bench_layouts.py at S=2K, P=2: the three layouts of both modes, each with its
+    counted bytes, its balance and a predicted GPU time; the workload layout sends less than cut."""
+    out = run_module("benchmarks.bench_layouts", "--smoke", timeout=110)
+    assert "attention 326 TFLOP/s, link 450 GB/s one way, latency 10 us per transfer" in out, out
+    header, *rows = table_rows(out)[:7]
+    assert header[:3] == ["mode", "P", "layout"] and header[-2:] == ["predicted GPU ms/row", "predicted x cut"]
+    assert [r[2] for r in rows] == ["static", "cut", "workload"] * 2, rows
+    assert all(float(r[-2]) > 0 for r in rows) and all(float(r[7]) < 1 for r in rows if r[2] == "workload"), rows
