@@ -169,8 +169,8 @@ class _Placement:
         return max(self.work) / min(self.work) if min(self.work) > 0 else math.inf
 
     def busiest_sends(self, docs, degrees) -> float:
-        """The most K/V rows one rank sends: a document cut over d ranks has each send about
-        (d - 1) / d of its length."""
+        """About the most K/V rows one rank sends: a document cut over d ranks has each send
+        (d - 1) / d of its length (a document spilled over ranks with room is counted whole)."""
         sent = [0.0] * self.ring_degree
         for rank, carried in enumerate(self.carried):
             for i in carried:
