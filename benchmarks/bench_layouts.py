@@ -43,7 +43,6 @@ import time
 
 from benchmarks.common import init_gloo, run_to_end, table_header, table_row
 
-LAYOUTS = ("static", "cut", "workload")
 MODES = ("zigzag_ring_attn", "dist_flash_attn")
 
 
@@ -56,21 +55,19 @@ def row_lengths(seq: int, seed: int) -> list[int]:
 
 def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict:
     """One row in one layout on this rank: the slowest rank's median step time and the busiest
-    rank's bytes, and the kernel calls' work balance."""
+    rank's bytes."""
     import torch
     import torch.distributed as dist
 
-    from benchmarks.mask_balance import WORK_OF
     from easy_context.core.layout import Layout, RowLayout
     from easy_context.core.masking import SequenceMask
     from easy_context.modes.dist_flash_attn import dist_flash_attention
     from easy_context.modes.zigzag_ring_attn import zigzag_ring_attention
-    from recipes.plan.packed import LinkModel, packed_mask, predict, round_costs, schedule_of, shares_of
+    from recipes.plan.packed import packed_mask, shares_of
 
     seq, size, rank = spec["seq"], dist.get_world_size(), dist.get_rank()
     zigzag = mode == "zigzag_ring_attn"
     whole_mask = packed_mask(row_lengths(seq, seed))
-    first_key = whole_mask.first_key
     shares = shares_of(layout, whole_mask, size, spec["tolerance"])
     row_layout = None if shares is None else RowLayout([share[None] for share in shares])
     index = Layout(zigzag, size).local_indices(seq, rank) if shares is None else shares[rank]
@@ -79,7 +76,7 @@ def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict
     q, k, v, dout = make(spec["heads"]), make(spec["kv_heads"]), make(spec["kv_heads"]), make(spec["heads"])
     q, k, v = (x[:, :, index].clone().requires_grad_() for x in (q, k, v))
     dout = dout[:, :, index].contiguous()
-    mask = SequenceMask(first_key, row_layout=row_layout)
+    mask = SequenceMask(whole_mask.first_key, row_layout=row_layout)
     scale = spec["head_dim"] ** -0.5
 
     def step():
@@ -101,16 +98,23 @@ def _cell(spec: dict, mode: str, layout: str, seed: int, group, counter) -> dict
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed[0].item())
         sent.append(elapsed[1].item())
-    whole_positions = None if shares is None else [share[None] for share in shares]
-    work = WORK_OF[mode](SequenceMask(first_key), seq, size, whole_positions)
-    model = spec["model"]
-    rounds = round_costs(schedule_of(mode, whole_mask, seq, size, shares), size, seq // size)
-    predicted = predict(rounds, *spec["model_shape"], LinkModel(**model))["seconds"]
+    return {"seconds": statistics.median(times), "bytes": max(sent)}
+
+
+def _counted(spec: dict, mode: str, layout: str, seed: int, size: int, link) -> dict:
+    """The row's work balance (max/min, from the kernel calls) and its predicted GPU time
+    (recipes/plan/packed.py): pure functions of its mask, worked out once, here, not on every rank."""
+    from benchmarks.mask_balance import WORK_OF
+    from recipes.plan.packed import packed_mask, predict, round_costs, schedule_of, shares_of
+
+    seq = spec["seq"]
+    mask = packed_mask(row_lengths(seq, seed))
+    shares = shares_of(layout, mask, size, spec["tolerance"])
+    work = WORK_OF[mode](mask, seq, size, None if shares is None else [share[None] for share in shares])
+    rounds = round_costs(schedule_of(mode, mask, seq, size, shares), size, seq // size)
     return {
-        "seconds": statistics.median(times),
-        "bytes": max(sent),
         "balance": max(work) / max(1, min(work)),
-        "predicted": predicted,
+        "predicted": predict(rounds, *spec["model_shape"], link)["seconds"],
     }
 
 
@@ -162,7 +166,7 @@ def layout_table(results: dict, seq: int, rows: int) -> str:
     ]
     for (world, mode), cells in results.items():
         totals = {}
-        for layout in LAYOUTS:
+        for layout in dict.fromkeys(c["layout"] for c in cells):  # the run's layouts, in its order
             mine = [c for c in cells if c["layout"] == layout]
             seconds = sum(c["seconds"] for c in mine)
             totals[layout] = (
@@ -239,12 +243,11 @@ def main():
     args.tolerance = WORK_TOLERANCE if args.tolerance is None else args.tolerance
     spec = {k: getattr(args, k) for k in ("seq", "rows", "steps", "heads", "kv_heads", "head_dim", "tolerance")}
     from recipes.plan.catalogue import get_device
-    from recipes.plan.packed import LinkModel
+    from recipes.plan.packed import LAYOUTS, LinkModel
     from recipes.plan.speed import efficiency
 
     device = get_device(args.gpu)
     link = LinkModel(tflops=device.tflops * efficiency(device)[1], link_gbs=device.link_gbs)
-    spec["model"] = {"tflops": link.tflops, "link_gbs": link.link_gbs}
     spec["model_shape"] = [int(x) for x in args.model_shape.split(",")]
     print(
         f"S={args.seq}, {args.rows} long-tailed packed rows (log-normal, median 300, >= 64 tokens); "
@@ -254,6 +257,7 @@ def main():
     results = {}
     for world in map(int, args.sizes.split(",")):
         for row in run_world({**spec, "modes": args.modes.split(","), "layouts": LAYOUTS}, world):
+            row.update(_counted(spec, row["mode"], row["layout"], row["row"], world, link))
             results.setdefault((world, row["mode"]), []).append(row)
     heads, kv_heads, head_dim = spec["model_shape"]
     print(

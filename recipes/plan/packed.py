@@ -36,6 +36,7 @@ from easy_context.core.masking import SequenceMask
 from easy_context.core.ring import RingSchedule, masked_ring_steps
 from easy_context.modes import get_mode
 from easy_context.modes.dist_flash_attn import dist_flash_schedule
+from recipes.plan.speed import efficiency, group_bandwidth
 
 __all__ = [
     "LAYOUTS",
@@ -133,27 +134,20 @@ def _count(rows, local_len: int) -> int:
 
 
 def round_costs(schedule, size: int, local_len: int) -> list[dict]:
-    """Per round: products each rank computes; K/V rows and query rows each rank sends (kv_out,
-    q_out) and receives (kv_in, q_in) in the forward; and the transfers, {(owner, worker):
-    (K/V rows, query rows)}."""
+    """Per round of the schedule's forward: the products each rank computes ("products") and
+    the rows that travel, {(owner, worker): (K/V rows, query rows)} ("transfers")."""
     rounds = []
     for units in schedule.rounds:
-        cost = {key: [0] * size for key in ("products", "kv_out", "kv_in", "q_out", "q_in")}
-        cost["transfers"] = {}
+        cost = {"products": [0] * size, "transfers": {}}
         for unit in units:
             cost["products"][unit.worker] += products(schedule.blocks(unit))
-            if unit.worker != unit.kv_owner:
-                rows = _count(schedule.keys(unit), local_len)
-                cost["kv_out"][unit.kv_owner] += rows
-                cost["kv_in"][unit.worker] += rows
-                kv, q = cost["transfers"].get((unit.kv_owner, unit.worker), (0, 0))
-                cost["transfers"][unit.kv_owner, unit.worker] = (kv + rows, q)
-            if unit.worker != unit.q_owner:
-                rows = _count(schedule.rows(unit), local_len)
-                cost["q_out"][unit.q_owner] += rows
-                cost["q_in"][unit.worker] += rows
-                kv, q = cost["transfers"].get((unit.q_owner, unit.worker), (0, 0))
-                cost["transfers"][unit.q_owner, unit.worker] = (kv, q + rows)
+            for owner, kv, q in (
+                (unit.kv_owner, _count(schedule.keys(unit), local_len), 0),
+                (unit.q_owner, 0, _count(schedule.rows(unit), local_len)),
+            ):
+                if owner != unit.worker:
+                    before = cost["transfers"].get((owner, unit.worker), (0, 0))
+                    cost["transfers"][owner, unit.worker] = (before[0] + kv, before[1] + q)
         rounds.append(cost)
     return rounds
 
@@ -230,8 +224,6 @@ def packed_layout(row: dict, model, device, gpus: int, seq: int, median: int = 3
     """(layout, why) for a planner row on packed rows: `choose_layout` on the row's ring, its
     heads per ring rank (Ulysses splits them), the device's attention TFLOP/s (speed.efficiency)
     and the ring's link (speed.group_bandwidth); None where the mode takes no layout per row."""
-    from recipes.plan.speed import efficiency, group_bandwidth
-
     ring, ulysses = row["ring_degree"] or 1, row["ulysses_degree"] or 1
     if not get_mode(row["mode"]).document_split or ring < 2:
         return None

@@ -60,8 +60,11 @@ def _owner(shares, seq):
 
 def busiest_rows_sent(schedule, size: int, local_len: int) -> int:
     """K/V and query rows the busiest rank sends in the schedule's forward."""
-    rounds = round_costs(schedule, size, local_len)
-    return max(sum(c["kv_out"][r] + c["q_out"][r] for c in rounds) for r in range(size))
+    sent = [0] * size
+    for cost in round_costs(schedule, size, local_len):
+        for (owner, _), (kv, q) in cost["transfers"].items():
+            sent[owner] += kv + q
+    return max(sent)
 
 
 @pytest.mark.parametrize("mode", WORK_OF)
