@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from easy_context.core.exchange import ulysses_head_splits
 from easy_context.hf.architectures import attn_implementation, check_model_type
 
 __all__ = ["load_config", "load_pretrained", "check_config"]
@@ -65,9 +66,6 @@ def check_config(config, topology, seq_length: int, mode: str) -> None:
     config = config.get_text_config()  # a multimodal wrapper: its decoder's
     if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         raise ValueError(f"the model has attention_dropout={config.attention_dropout}; sequence parallelism needs 0.0")
-    heads = config.num_attention_heads
-    if heads % topology.ulysses_degree:
-        raise ValueError(
-            f"num_attention_heads={heads} does not split over the Ulysses degree {topology.ulysses_degree} "
-            f"(parallel mode {mode}); use a degree dividing {heads} (--ring-degree with usp_attn) or zigzag_ring_attn"
-        )
+    if topology.ulysses_degree > 1:  # query heads split unevenly where they must; a rank without one is refused
+        heads = config.num_attention_heads
+        ulysses_head_splits(heads, getattr(config, "num_key_value_heads", None) or heads, topology.ulysses_degree)

@@ -32,6 +32,10 @@ def no_activations(shape: AttentionShape) -> Activations:
     return Activations()
 
 
+def even_load(shape: AttentionShape) -> float:
+    return 1.0
+
+
 @dataclass(frozen=True)
 class SeqParallelMode:
     name: str
@@ -57,6 +61,9 @@ class SeqParallelMode:
     # Costs of one layer on one rank (modes/costs.py): bytes sent, and activation bytes per token.
     traffic: Callable[[AttentionShape], Traffic] = no_traffic
     activations: Callable[[AttentionShape], Activations] = no_activations
+    # The busiest rank's attention work over the mean rank's (Ulysses with query heads that do
+    # not split evenly: ceil(H / U) / (H / U)); the planner's compute time scales by it.
+    attention_load: Callable[[AttentionShape], float] = even_load
     # Under activation checkpointing the mode keeps each layer's attention output (and lse), so
     # the recompute neither runs nor communicates the attention forward again.
     keeps_attention_output: bool = False

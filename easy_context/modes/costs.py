@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from easy_context.core.exchange import ulysses_head_splits
+
 __all__ = [
     "Activations",
     "AttentionShape",
@@ -20,6 +22,8 @@ __all__ = [
     "all_to_all_traffic",
     "balanced_schedule_traffic",
     "kv_replication",
+    "query_head_load",
+    "ulysses_heads",
     "ring_buffers",
     "ring_traffic",
 ]
@@ -81,17 +85,44 @@ class Traffic:
 class Activations:
     """Bytes per local token of one layer that a mode adds to a plain attention layer's."""
 
-    kv_replication: int = 1  # KV heads repeated so they split over the Ulysses degree
+    kv_replication: float = 1  # KV heads repeated so they split over the Ulysses degree (uneven heads: a ratio)
     saved: int = 0  # kept for the backward besides q, k, v, the output and lse
     backward_buffers: int = 0  # live during the attention backward besides the kernel's dq, dk, dv
     # Under activation checkpointing, kept for the whole step (modes with keeps_attention_output)
     kept_for_recompute: int = 0
 
 
-def kv_replication(shape: AttentionShape) -> int:
-    """How many times Ulysses repeats each KV head: lcm(Hkv, U) / Hkv (modes/ulysses_attn.py)."""
+def ulysses_heads(shape: AttentionShape) -> tuple[tuple, tuple, tuple]:
+    """Per Ulysses rank: (query heads, K/V heads received, K/V heads its kernel takes), as
+    modes/ulysses_attn.py runs them: K/V heads repeated to lcm(Hkv, U) where the query heads
+    split evenly; else each rank receives the K/V heads its query heads read, and takes one per
+    query head where they read them unevenly."""
     u = shape.ulysses_degree
-    return math.lcm(shape.kv_heads, u) // shape.kv_heads if u > 1 else 1
+    if shape.heads % u == 0:
+        kv = shape.kv_heads * (math.lcm(shape.kv_heads, u) // shape.kv_heads) // u
+        return (shape.heads // u,) * u, (kv,) * u, (kv,) * u
+    query, kv = ulysses_head_splits(shape.heads, shape.kv_heads, u)
+    held = tuple(
+        kv.sizes[r] if kv.local_reads(query, r) is None else query.sizes[r] for r in range(shape.ulysses_degree)
+    )
+    return query.sizes, kv.sizes, held
+
+
+def kv_replication(shape: AttentionShape) -> float:
+    """How many times the busiest Ulysses rank holds the K/V heads over: lcm(Hkv, U) / Hkv where
+    the query heads split evenly (modes/ulysses_attn.py), more where they do not."""
+    if shape.ulysses_degree == 1:
+        return 1
+    held = max(ulysses_heads(shape)[2]) * shape.ulysses_degree
+    return held // shape.kv_heads if held % shape.kv_heads == 0 else held / shape.kv_heads
+
+
+def query_head_load(shape: AttentionShape) -> float:
+    """The busiest Ulysses rank's attention work over the mean rank's: ceil(H / U) / (H / U) where
+    the query heads do not split evenly (9 over 2: 5 / 4.5), else 1."""
+    if shape.ulysses_degree == 1:
+        return 1.0
+    return max(ulysses_heads(shape)[0]) * shape.ulysses_degree / shape.heads
 
 
 def ring_traffic(shape: AttentionShape, kv_heads: int) -> Traffic:
@@ -118,24 +149,33 @@ def ring_buffers(shape: AttentionShape, kv_width: int) -> int:
 
 
 def all_to_all_traffic(shape: AttentionShape) -> Traffic:
-    """Ulysses over U ranks: q, k, v and the output (forward), dout, dq, dk, dv (backward) each
-    cross one all-to-all, which keeps 1/U of every tensor on its rank; K/V heads replicated
-    first where they do not split over U."""
+    """Ulysses over U ranks, for the busiest rank i holding h_i query heads and receiving k_i K/V
+    heads (K = sum of the k_i, K/V heads replicated where they do not split): forward, q and k, v
+    to the other ranks' heads ((H - h_i) + 2 (K - k_i) heads of its local tokens) and the output
+    of its heads back ((U - 1) h_i); backward, dout like q and dq, dk, dv like the output
+    ((H - h_i) + (U - 1) (h_i + 2 k_i)). Even heads: 1/U of every tensor stays on its rank."""
     u = shape.ulysses_degree
     if u == 1:
         return Traffic()
-    per_head = shape.batch * shape.local_len * shape.head_dim
-    elements = (2 * shape.heads + 2 * shape.kv_heads * kv_replication(shape)) * per_head
-    one_way = elements * shape.dtype_bytes * (u - 1) / u
-    return Traffic(all_to_all_forward=one_way, all_to_all_backward=one_way)
+    per_head = shape.batch * shape.local_len * shape.head_dim * shape.dtype_bytes
+    query, received, _ = ulysses_heads(shape)
+    total_kv = sum(received)
+
+    def sent(h, k):  # (forward, backward) heads of local tokens
+        return (shape.heads - h) + 2 * (total_kv - k) + (u - 1) * h, (shape.heads - h) + (u - 1) * (h + 2 * k)
+
+    forward, backward = max((sent(h, k) for h, k in zip(query, received)), key=sum)
+    return Traffic(all_to_all_forward=forward * per_head, all_to_all_backward=backward * per_head)
 
 
 def all_to_all_buffers(shape: AttentionShape) -> int:
-    """Per token, during the Ulysses backward: the all-to-all send and receive buffers."""
-    if shape.ulysses_degree == 1:
+    """Per token, during the Ulysses backward: the all-to-all send and receive buffers (the
+    busiest rank's heads, over U times its local tokens)."""
+    u = shape.ulysses_degree
+    if u == 1:
         return 0
-    kv_width = shape.kv_heads * kv_replication(shape) * shape.head_dim
-    return 2 * shape.dtype_bytes * (shape.heads * shape.head_dim + 2 * kv_width)
+    query, _, held = ulysses_heads(shape)
+    return 2 * shape.dtype_bytes * shape.head_dim * u * (max(query) + 2 * max(held))
 
 
 def balanced_schedule_traffic(shape: AttentionShape) -> Traffic:

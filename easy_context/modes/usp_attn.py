@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from easy_context.core.groups import Placement, divisors
 from easy_context.modes import SeqParallelMode
+from easy_context.modes.costs import query_head_load
 from easy_context.modes.ulysses_attn import ulysses_activations, ulysses_attention, ulysses_traffic
 
 
@@ -41,4 +42,5 @@ MODE = SeqParallelMode(
     ring_degree_choices=lambda sp: tuple(r for r in divisors(sp) if 1 < r < sp),
     traffic=ulysses_traffic,  # the same attention as ulysses_attn, so the same costs
     activations=ulysses_activations,
+    attention_load=query_head_load,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from easy_context.core.exchange import ulysses_head_splits
 from easy_context.modes import BUILT_MODES, get_mode
 from recipes.plan.catalogue import (
     GIB,
@@ -55,8 +56,11 @@ def check_layout(model: ModelShape, seq: int, mode: str, sp: int, ring: int) -> 
         layout.check_length(seq)
     except ValueError as error:
         return str(error)
-    if model.heads % topology.ulysses_degree:
-        return f"num_attention_heads={model.heads} does not split over ulysses_degree={topology.ulysses_degree}"
+    if topology.ulysses_degree > 1:
+        try:
+            ulysses_head_splits(model.heads, model.kv_heads, topology.ulysses_degree)
+        except ValueError as error:
+            return str(error)
     return None
 
 

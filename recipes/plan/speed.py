@@ -109,13 +109,16 @@ def throughput(model: ModelShape, seq: int, gpus: int, o: Options, device: Devic
     mode = get_mode(o.mode)
     counted = step_flops(model, seq, o)
     eff, attn_eff = efficiency(device)
-    t_compute = s * (counted["matmuls"] / eff + counted["attention"] / attn_eff) / (device.tflops * 1e12)
+    shape = attention_shape(model, o, a, seq)
+    # the busiest rank sets the pace: Ulysses over query heads that do not split evenly gives it more
+    attention = counted["attention"] * mode.attention_load(shape)
+    t_compute = s * (counted["matmuls"] / eff + attention / attn_eff) / (device.tflops * 1e12)
     flops = counted["matmuls"] + counted["attention"]
 
     def bw(group: int, stride: int = 1) -> float:
         return group_bandwidth(device, gpus, group, stride)
 
-    traffic = mode.traffic(attention_shape(model, o, a, seq))
+    traffic = mode.traffic(shape)
     forwards = 2 if o.checkpointing and not mode.keeps_attention_output else 1
     t_ring = t_a2a = 0.0
     ring_bytes = traffic.p2p_forward * forwards + traffic.p2p_backward

@@ -92,6 +92,16 @@ def test_distributed_attention_matches_full_sdpa(world_size):
 
 # ---------------------------------------------------------------------------- Ulysses
 # (mode, world size, ring_degree); usp_attn at 4 = Ulysses 2 x ring 2
+# Query heads that do not split over the Ulysses degree (SmolLM2's 9 / 3), split 5 + 4 at U = 2,
+# 3 + 2 + 2 + 2 at U = 4, some ranks reading a K/V head that another rank reads too; fp64 bounds
+# the exchange's exactness to rounding, bf16 to the single process's bf16 error.
+UNEVEN_CASES = [
+    ("9h-3kv-fp64-math", 9, 3, 16, torch.float64, "math"),
+    ("9h-3kv-fp32", 9, 3, 16, torch.float32, "cpu_flash"),
+    ("6h-2kv-fp32", 6, 2, 16, torch.float32, "cpu_flash"),
+    ("5h-1kv-bf16", 5, 1, 64, torch.bfloat16, "cpu_flash"),
+]
+ULYSSES_CASES = CASES + UNEVEN_CASES
 ULYSSES_RUNS = [("ulysses_attn", 2, None), ("ulysses_attn", 4, None), ("usp_attn", 4, 2)]
 
 
@@ -123,7 +133,7 @@ def ulysses_worker(rank, world_size, mode_name, ring_degree):
     topology = mode.topology(world_size, ring_degree=ring_degree)
     groups, layout = get_groups(topology), mode.layout(topology)
     results = {}
-    for label, hq, hkv, d, dtype, kernel in CASES:
+    for label, hq, hkv, d, dtype, kernel in ULYSSES_CASES:
         os.environ["EASY_CONTEXT_KERNEL"] = kernel
         for memory in ("bhsd", "bshd"):
             q, k, v, dout = (layout.shard(x, groups.sp_rank, dim=2) for x in full_inputs(hq, hkv, d, dtype))
@@ -144,15 +154,16 @@ def ulysses_worker(rank, world_size, mode_name, ring_degree):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,world_size,ring_degree", ULYSSES_RUNS)
 def test_ulysses_matches_full_sdpa_and_keeps_layouts(mode, world_size, ring_degree):
-    """Exact against SDPA for MHA/GQA/MQA (K/V heads repeated when they don't split), fp32, fp64
-    and bf16, both input layouts; every gradient has its input's strides (AccumulateGrad then
-    keeps it without a copy) and every dout reaching the backward kernels is (B, S, H, D) memory."""
+    """Exact against SDPA for MHA/GQA/MQA (K/V heads repeated when they don't split; query heads
+    that don't split: UNEVEN_CASES), fp32, fp64 and bf16, both input layouts; every gradient has
+    its input's strides (AccumulateGrad then keeps it without a copy) and every dout reaching the
+    backward kernels is (B, S, H, D) memory."""
     from easy_context.modes import get_mode
 
     per_rank = run_ranks(ulysses_worker, world_size, mode, ring_degree)
     mode_obj = get_mode(mode)
     layout = mode_obj.layout(mode_obj.topology(world_size, ring_degree=ring_degree))
-    for label, hq, hkv, d, dtype, _ in CASES:
+    for label, hq, hkv, d, dtype, _ in ULYSSES_CASES:
         inputs = full_inputs(hq, hkv, d, dtype)
         want = sdpa(*inputs, d, torch.float64)
         tols = tolerances(dtype, inputs, d)

@@ -231,10 +231,16 @@ def test_script_helpers_refuse_bad_values(tmp_path):
         load_config(str(tmp_path / "bloom"))
     with pytest.raises(ValueError, match="the model has attention_dropout=0.1; sequence parallelism needs 0.0"):
         check_config(tiny_config("llama", attention_dropout=0.1), Topology(2, 2, 2), 64, "zigzag_ring_attn")
-    with pytest.raises(ValueError, match="num_attention_heads=3 does not split over the Ulysses degree 2"):
+    check_config(  # 3 query heads split 2 + 1 over Ulysses 2; 4 ranks would leave one without a head
+        tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48),
+        Topology(2, 2, 1),
+        64,
+        "ulysses_attn",
+    )
+    with pytest.raises(ValueError, match="ulysses_degree=4 exceeds num_attention_heads=3"):
         check_config(
             tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48),
-            Topology(2, 2, 1),
+            Topology(4, 4, 1),
             64,
             "ulysses_attn",
         )

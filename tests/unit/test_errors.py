@@ -97,19 +97,19 @@ def _two_rank_errors_worker(rank, world_size):
         forgotten_positions = _error_of(lambda: model(input_ids=local["local_input_ids"]))
         apply_seq_parallel_monkey_patch("ulysses_attn", "llama")
         local = prepare_seq_parallel_inputs("ulysses_attn", ids, None, None, rank, world_size, "cpu")
-        three_heads = tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, head_dim=16, hidden_size=48)
+        one_head = tiny_model("llama", num_attention_heads=1, num_key_value_heads=1, head_dim=16, hidden_size=16)
         heads = _error_of(
-            lambda: three_heads(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"])
+            lambda: one_head(input_ids=local["local_input_ids"], position_ids=local["local_position_ids"])
         )
     return forgotten_positions, heads
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_forgotten_positions_and_unsplittable_heads_are_refused_on_every_rank():
+def test_forgotten_positions_and_too_few_heads_are_refused_on_every_rank():
     for rank, (positions, heads) in enumerate(run_ranks(_two_rank_errors_worker, 2)):
         assert positions and f"position_ids on rank {rank} of 2" in positions and "local_position_ids" in positions
-        assert heads and "num_attention_heads=3 does not split over ulysses_degree=2" in heads
+        assert heads and "ulysses_degree=2 exceeds num_attention_heads=1" in heads
         assert "zigzag_ring_attn" in heads  # says what would work
 
 

@@ -43,10 +43,30 @@ def reference_bytes(config, S, P, B, Hq, Hkv, D, dtype):
     q_elems = B * Hq * S_l * D
 
     def ulysses(U):
+        if Hq % U:
+            return uneven_ulysses(U), None
         rep = math.lcm(Hkv, U) // Hkv
         kv_elems = B * Hkv * rep * S_l * D
         frac = (U - 1) / U
         return 2 * frac * (q_elems + 2 * kv_elems + q_elems) * e, rep
+
+    def uneven_ulysses(U):
+        """Query heads dealt to ranks in order, the first Hq % U ranks one more; each rank
+        receives every K/V head one of its query heads reads. Walk what each rank sends."""
+        owner = []
+        for r in range(U):
+            owner += [r] * (Hq // U + (r < Hq % U))
+        readers = [{owner[q] for q in range(Hq) if q * Hkv // Hq == kv} for kv in range(Hkv)]
+        head = B * S_l * D * e  # one head of one rank's tokens
+        sent = []
+        for i in range(U):
+            q_out = sum(owner[q] != i for q in range(Hq))  # my tokens of the others' query heads
+            kv_out = sum(len(ranks - {i}) for ranks in readers)  # my tokens of the K/V heads they read
+            mine, my_kv = owner.count(i), sum(i in ranks for ranks in readers)
+            forward = q_out + 2 * kv_out + (U - 1) * mine  # q, k, v out; my heads' output back
+            backward = q_out + (U - 1) * mine + 2 * (U - 1) * my_kv  # dout like q; dq, dk, dv back
+            sent.append((forward + backward) * head)
+        return max(sent)
 
     def ring(R, kv_elems):
         if R == 1:
@@ -98,7 +118,7 @@ def configurations():
     ):
         mode = get_mode(name)
         topology = mode.topology(P)
-        if Hq % topology.ulysses_degree:  # the mode refuses these heads (models.check_config)
+        if Hq < topology.ulysses_degree:  # the mode refuses a rank without a query head
             continue
         S = mode.layout(topology).multiple * 16 * k
         yield name, S, P, B, Hq, Hkv, D, dtype
