@@ -12,7 +12,8 @@ evaluation_config.py  the eval scripts' and tools/generate.py's settings (Needle
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
 faults.py      a test hook: EASY_CONTEXT_FAULT's deterministic failures (hang, die in a save, ...)
 data/          datasets to packed rows; the embedded default corpus
-models.py      load or build a model for a supported type
+models/        load or build a model for a supported type; the pretrained models fetched by name
+               (python -m recipes.models get NAME) and model_source, which maps --model names to them
 checkpointing.py  train.py's resumable checkpoints: atomic saves, pruning, resume checks
 tiled_mlp.py   MLPs run in sequence tiles (activation memory)
 lora.py        LoRA adapters (peft, lazily): train.py --lora-r, adapter folders for the evals

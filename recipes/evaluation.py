@@ -21,6 +21,7 @@ from easy_context.hf.api import gather_seq_parallel_outputs, generate, prepare_s
 from easy_context.hf.architectures import logits_head
 from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
+from recipes.models.downloads import model_source
 
 __all__ = [
     "DEFAULT_EVAL_MODEL",
@@ -38,9 +39,10 @@ IGNORE = -100
 
 
 def resolve_model(name: str | None) -> str:
-    """A hub name or local folder; None means the model train.py writes by default."""
+    """A hub name, local folder or downloadable model's name (its folder; ModelNotFetched, an
+    OSError, before its fetch); None means the model train.py writes by default."""
     if name is not None:
-        return name
+        return model_source(name)
     if not (Path(DEFAULT_EVAL_MODEL) / "config.json").exists():
         raise FileNotFoundError(
             f"no model at {DEFAULT_EVAL_MODEL}: train one first with "

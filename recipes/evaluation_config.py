@@ -29,6 +29,7 @@ from recipes.configuration import (
     same_as,
     sections_of,
 )
+from recipes.models.downloads import DOWNLOADS
 from recipes.needle import CITIES
 
 __all__ = [
@@ -51,7 +52,11 @@ DTYPES = ["auto", "float32", "bfloat16", "float16"]
 @dataclass
 class EvalModelConfig:
     title: ClassVar[str] = "model"
-    model: str | None = option(None, "hub name or local folder (default: outputs/tiny-llama, what train.py saves)")
+    model: str | None = option(
+        None,
+        f"hub name, local folder or downloadable model ({', '.join(DOWNLOADS)}: python -m recipes.models get NAME; "
+        "default: outputs/tiny-llama, what train.py saves)",
+    )
     rope_theta: float | None = option(None, "override the model's RoPE base", aliases=("--rope_theta",))
     dtype: str = option("auto", "auto: bf16 on CUDA, fp32 on CPU", choices=DTYPES)
 
@@ -186,7 +191,8 @@ class PerplexityModelConfig(EvalModelConfig):
     title: ClassVar[str] = "models"
     model: list[str] | None = option(
         None,
-        "hub names or local folders, repeatable (default: outputs/tiny-llama, what train.py saves)",
+        f"hub names, local folders or downloadable models ({', '.join(DOWNLOADS)}), repeatable "
+        "(default: outputs/tiny-llama, what train.py saves)",
         short="-m",
         action="append",
         nargs="+",

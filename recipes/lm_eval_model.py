@@ -57,7 +57,7 @@ def __getattr__(name: str):
 class SeqParallelComputation:
     """What SeqParallelLM changes in lm-eval's hf model (HFLM, after it in the class order).
 
-    model_args: pretrained (hub name or folder), mode (default zigzag_ring_attn), sp_size,
+    model_args: pretrained (hub name, folder or downloadable model's name), mode (default zigzag_ring_attn), sp_size,
     ring_degree, dtype (auto: bf16 on CUDA, fp32 on CPU), max_length (the longest sequence
     scored; default the model's), chunk_size (output-layer rows per chunk), rope_theta; the rest
     as lm-eval's hf model takes them (batch_size applies to generation only)."""
@@ -76,8 +76,10 @@ class SeqParallelComputation:
     ):
         if not isinstance(pretrained, str):
             raise ValueError("easy_context: pretrained must be a hub name or a local folder (the model is loaded here)")
+        from recipes.models import load_config, model_source
+
+        pretrained = model_source(pretrained)  # a downloadable model's name: its folder under models/
         accelerator = make_accelerator()
-        from recipes.models import load_config
 
         limit = max_length or getattr(load_config(pretrained).get_text_config(), "max_position_embeddings", None)
         self.scorer, tokenizer = load_scorer(

@@ -1,6 +1,7 @@
 """Training and evaluation data: the embedded offline default (embedded.py), datasets read
-lazily from Arrow storage, a stream, or raw text packed into rows (rows.py), and each packed
-row's attention work (work.py; core/work_order.py orders rows by it)."""
+lazily from Arrow storage, a stream, or raw text packed into rows (rows.py), each packed row's
+attention work (work.py; core/work_order.py orders rows by it), and real long documents from
+what the machine has offline, with a held-out split (long_text.py: import it by name)."""
 
 from recipes.data import embedded, rows, work
 from recipes.data.embedded import *  # noqa: F403

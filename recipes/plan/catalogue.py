@@ -90,6 +90,9 @@ PRESETS = {
     "llama-3-70b": ModelShape("llama-3-70b", 8192, 28672, 80, 64, 8, 128, 128256),
     "mistral-7b": ModelShape("mistral-7b", 4096, 14336, 32, 32, 8, 128, 32000),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", 3584, 18944, 28, 28, 4, 128, 152064),
+    # the downloadable model (python -m recipes.models get smollm2-135m-instruct; its config.json):
+    # 134,515,008 parameters, as the checkpoint holds
+    "smollm2-135m-instruct": ModelShape("smollm2-135m-instruct", 576, 1536, 30, 9, 3, 64, 49152, tied=True),
     # benchmarks/bench_train.py's model (what the CPU validation measures)
     "tiny-bench": ModelShape("tiny-bench", 256, 688, 4, 4, 2, 64, 32000),
 }

@@ -22,6 +22,7 @@ from recipes.configuration import (
     parse,
     sections_of,
 )
+from recipes.models.downloads import DOWNLOADS, ModelNotFetched, model_source
 from recipes.training.sources import DEMO_BASE, SCRATCH_CONFIG, config_path, presets
 
 __all__ = [
@@ -51,6 +52,14 @@ JOB_DEFAULTS = {
 
 
 # ---------------------------------------------------------------------------------- checks
+def _model(name, value, args):
+    try:
+        model_source(value)
+    except ModelNotFetched as error:
+        return f"--model {error}"
+    return None
+
+
 def _from_scratch(name, value, args):
     if value and args.model is not None:
         return (
@@ -124,7 +133,10 @@ def _lora_options(name, value, args):
 class ModelConfig:
     title: ClassVar[str] = "model"
     model: str | None = option(
-        None, "hub name or local path; default: the shipped demo base (models/demo-base), extended to --seq-length"
+        None,
+        f"hub name, local path, or a downloadable model ({', '.join(DOWNLOADS)}: python -m recipes.models get "
+        "NAME); default: the shipped demo base (models/demo-base), extended to --seq-length",
+        _model,
     )
     from_scratch: bool = option(
         False,
@@ -326,6 +338,7 @@ def parse_config(argv=None, description: str | None = None) -> TrainConfig:
     model, optimisation = config.model, config.optimisation
     if config.job == "demo":
         model.model = str(DEMO_BASE)
+    model.model = model_source(model.model)  # a downloadable model's name: its folder (checked by _model)
     if model.from_scratch:
         model.from_config = str(SCRATCH_CONFIG)
     if optimisation.warmup_steps is None:

