@@ -22,6 +22,7 @@ __all__ = [
     "device_of_gpu",
     "get_device",
     "load_model",
+    "local_gpus",
     "machine_memory_gib",
     "shape_from_config",
 ]
@@ -209,7 +210,7 @@ def device_of_gpu(model: str) -> str:
     return model.strip().lower()
 
 
-def _local_gpus() -> list[str]:
+def local_gpus() -> list[str]:
     """The catalogue names of this machine's NVIDIA GPUs, from the driver's /proc entries (no
     CUDA initialised, nothing imported); [] where there are none or no driver."""
     import glob
@@ -289,7 +290,7 @@ def default_host_memory(device: Device, gpus: int) -> tuple[float, str]:
     given: this machine's RAM where the plan is for this machine (--gpu cpu, or this machine
     has at least a node's worth, min(gpus, per node), of the named GPU), else the named GPU's
     node default (Device.host_gib)."""
-    if device.memory_is_host or _local_gpus().count(device.name) >= min(gpus, device.per_node):
+    if device.memory_is_host or local_gpus().count(device.name) >= min(gpus, device.per_node):
         ram = machine_memory_gib()
         if ram:
             return ram, "this machine's RAM"
