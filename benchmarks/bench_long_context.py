@@ -23,15 +23,29 @@ Sections, in this order, each inside what is left of --budget-s:
   ceiling     the longest S that trains, probed on the first --probe-layers layers with the
               weights and gradients of the others allocated on the device as ballast (so the
               memory the probe has is what full depth would leave it): S doubles from the last
-              full-depth length that ran until a step runs out of memory, then halves the gap to
-              --resolution. A probe's per-layer activation memory is that of full depth; its
-              checkpointed inputs are --probe-layers' instead of all layers' (on the host when
-              offloaded), stated in the table.
+              full-depth length that ran, but never past the first length the planner rules out
+              (its peak over the device's memory: that length is probed instead), until a step
+              runs out of memory; then the gap between the last length that trained and the first
+              that did not is bisected to --resolution. A probe's per-layer activation memory is
+              that of full depth; its checkpointed inputs are --probe-layers' instead of all
+              layers' (on the host when offloaded), stated in the table. The device memory in use
+              before the ballast, and before each probe, is recorded beside it: what an earlier
+              model left behind would show there.
   host        the pinned host memory full depth would need at the ceiling (one layer input per
               layer: the planner's host_memory), against this machine's RAM.
 
-Writes --json (every row, the device, the planner's inputs) and prints the tables for
-docs/benchmarks.md.
+What keeps the ceiling honest: a probe's model is freed when it is deleted (no reference
+cycle holds it: recipes/tiled_mlp.py), a step that ran out of memory is let go of after its
+`except` block (inside it the traceback still holds the step's activations), and the caching
+allocator uses expandable segments (PYTORCH_CUDA_ALLOC_CONF, set before the first CUDA
+allocation), so a long step is not refused for fragmentation. The pinned host column is the
+host allocator's active bytes (its allocated bytes count cached blocks, rounded to powers of
+two). MFU divides by the peak of the card's own model (recipes/plan/catalogue.py: SXM, PCIe,
+NVL, H200), found from its name.
+
+Writes --jsonl (one JSON line per row as it finishes: a run stopped part-way keeps every row
+before the stop), --json (every row, the device, the planner's inputs, at the end) and prints
+the tables for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -49,6 +63,11 @@ from recipes.plan import catalogue, memory, speed
 from recipes.training.sources import config_path
 
 GIB = 1 << 30
+ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
+# Segments that grow in place: a long step's large, changing allocations reuse freed memory
+# instead of failing for want of one contiguous block (a ceiling found under fragmentation is
+# the allocator's, not the model's).
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
 @dataclass
@@ -87,6 +106,7 @@ def parse_args(argv=None):
     p.add_argument("--gpu", default=None, help="the planner's device (default: found from the GPU's name)")
     p.add_argument("--dry-run", action="store_true", help="CPU, configs/tiny-llama, small lengths")
     p.add_argument("--json", default=None)
+    p.add_argument("--jsonl", default=None, help="append one JSON line per row as it finishes")
     args = p.parse_args(argv)
     dry = args.dry_run
     args.config = args.config or ("tiny-llama" if dry else "llama-3.1-8b")
@@ -100,7 +120,36 @@ def parse_args(argv=None):
         p.error("no GPU here: run with --dry-run (CPU, tiny config) or on a CUDA machine")
     if args.probe_layers < 1 or args.timed_steps < 1:
         p.error("--probe-layers and --timed-steps must be >= 1")
+    if args.gpu is not None and args.gpu.lower() not in catalogue.DEVICES:
+        p.error(f"--gpu {args.gpu}: not a device of the planner's catalogue ({', '.join(sorted(catalogue.DEVICES))})")
     return args
+
+
+def use_expandable_segments() -> str:
+    """Ask the CUDA caching allocator for expandable segments (unless the environment already
+    says either way); returns the setting in effect. It is read at the first CUDA allocation,
+    so this runs before anything touches the device."""
+    current = os.environ.get(ALLOCATOR_VARIABLE, "")
+    if "expandable_segments" not in current:
+        os.environ[ALLOCATOR_VARIABLE] = ",".join(filter(None, [current, EXPANDABLE_SEGMENTS]))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"{os.environ[ALLOCATOR_VARIABLE]} (not applied: CUDA was initialised before)"
+    return os.environ[ALLOCATOR_VARIABLE]
+
+
+class Rows:
+    """Where rows go as they finish: printed, and appended to --jsonl (flushed per line, so a
+    run stopped part-way keeps every row before the stop)."""
+
+    def __init__(self, path: str | None):
+        self.file = open(path, "a") if path else None  # noqa: SIM115 - open for the run
+
+    def add(self, section: str, row: dict, text: str | None = None) -> None:
+        if text is not None:
+            print(text, flush=True)
+        if self.file is not None:
+            self.file.write(json.dumps({"section": section, **row}) + "\n")
+            self.file.flush()
 
 
 # ------------------------------------------------------------------------ the model
@@ -190,24 +239,57 @@ def _peak_bytes(device) -> int:
     return peak_rss_bytes()  # the process's peak: on a CPU the device's memory is the host's
 
 
+def in_use(device) -> dict:
+    """Device memory in use now: bytes held by live tensors, and (CUDA) what the caching
+    allocator reserves and what the driver reports free on the whole device (other processes
+    and the CUDA context included). On a CPU, the process's resident set."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {
+            "allocated_bytes": torch.cuda.memory_allocated(device),
+            "reserved_bytes": torch.cuda.memory_reserved(device),
+            "device_free_bytes": free,
+            "device_total_bytes": total,
+        }
+    from benchmarks.common import rss_bytes
+
+    return {"allocated_bytes": rss_bytes()}
+
+
+def pinned_bytes(stats: dict) -> int:
+    """Peak pinned host bytes in use from torch.cuda.host_memory_stats(): the active blocks. (Its
+    allocated bytes also count the blocks the host allocator keeps cached, each rounded up to a
+    power of two: about 24 GiB where 16 are in use.)"""
+    for key in ("active_bytes.peak", "active_bytes.all.peak"):
+        if key in stats:
+            return int(stats[key])
+    return 0
+
+
 def _pinned_bytes(device) -> int:
-    """Peak pinned host memory of the caching host allocator (the offloaded checkpoints)."""
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if device.type != "cuda" or stats is None:
         return 0
-    found = stats()
-    return int(found.get("allocated_bytes.all.peak", found.get("allocated_bytes.peak", 0)))
+    return pinned_bytes(stats())
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
+def release(setup: Setup, optimizer) -> None:
+    """After a step that ran out of memory, outside its `except` block (there the traceback
+    still holds the step's frames and so its activations): the gradients it left, and the
+    allocator's cached blocks."""
+    optimizer.zero_grad(set_to_none=True)
+    _empty_cache(setup.device)
+
+
 # ------------------------------------------------------------------ the planner's side
 def planner_device(args, setup: Setup) -> catalogue.Device:
     if setup.device.type == "cpu":
         return catalogue.get_device("cpu")
-    name = args.gpu or ("h200" if "H200" in torch.cuda.get_device_name() else "h100-80g")
+    name = args.gpu or catalogue.device_of_gpu(torch.cuda.get_device_name())
     total = torch.cuda.get_device_properties(0).total_memory / GIB
     return catalogue.get_device(name, memory_gib=total)
 
@@ -229,28 +311,54 @@ def predicted(setup: Setup, seq: int, device: catalogue.Device) -> dict:
     }
 
 
+def planner_limit(setup: Setup, device: catalogue.Device, start: int, resolution: int, cap: int) -> int | None:
+    """The shortest length above `start`, on the `resolution` grid, whose predicted peak is over
+    the device's memory (the planner rules it out), or None up to `cap`. The peak grows with S:
+    doubled to a bracket, then bisected."""
+
+    def over(seq: int) -> bool:
+        return predicted(setup, seq, device)["peak_bytes"] > device.memory_gib * GIB
+
+    low = max(start, resolution) // resolution * resolution
+    high = low
+    while not over(high):
+        if high >= cap:
+            return None
+        low, high = high, min(2 * high, cap)
+    while high - low > resolution:
+        middle = (low + high) // 2 // resolution * resolution
+        low, high = (middle, high) if not over(middle) else (low, middle)
+    return high
+
+
 # ------------------------------------------------------------------------ sections
-def full_depth(args, setup: Setup, device: catalogue.Device, deadline: float) -> list[dict]:
+def full_depth(args, setup: Setup, device: catalogue.Device, deadline: float, rows_out: Rows | None = None):
     rows = []
+
+    def done(row):
+        rows.append(row)
+        if rows_out is not None:
+            rows_out.add("full_depth", row, row_text(row, setup, device))
+
     trainable, optimizer = build_model(setup)
     for seq in args.lengths:
         plan = predicted(setup, seq, device)
         row = {"seq": seq, "layers": setup.shape.layers, **{f"planner_{k}": v for k, v in plan.items()}}
         needed = plan["step_s"] * (1 + args.timed_steps)
         if time.monotonic() + needed > deadline:
-            rows.append({**row, "result": f"skipped: the budget (the planner's {needed:.0f} s)"})
-            print(row_text(rows[-1], setup, device), flush=True)
+            done({**row, "result": f"skipped: the budget (the planner's {needed:.0f} s)"})
             continue
+        out_of_memory = False
         try:
             step(setup, trainable, optimizer, seq)  # warm-up
             timed = [step(setup, trainable, optimizer, seq) for _ in range(args.timed_steps)]
         except Exception as error:  # noqa: BLE001 - an out-of-memory is a result; anything else is raised
             if not is_out_of_memory(error):
                 raise
-            optimizer.zero_grad(set_to_none=True)
-            _empty_cache(setup.device)
-            rows.append({**row, "result": "out of memory"})
-            print(row_text(rows[-1], setup, device), flush=True)
+            out_of_memory = True
+        if out_of_memory:
+            release(setup, optimizer)
+            done({**row, "result": "out of memory"})
             continue
         seconds = sum(t["seconds"] for t in timed) / len(timed)
         model_flops, executed = flops_per_token(setup, seq)
@@ -263,57 +371,82 @@ def full_depth(args, setup: Setup, device: catalogue.Device, deadline: float) ->
             peak_bytes=max(t["peak_bytes"] for t in timed),
             pinned_bytes=max(t["pinned_bytes"] for t in timed),
         )
-        rows.append(row)
-        print(row_text(row, setup, device), flush=True)
+        done(row)
     del trainable, optimizer
     _empty_cache(setup.device)
     return rows
 
 
-def ceiling(args, setup: Setup, start: int, deadline: float, device: catalogue.Device) -> dict:
+def next_probe(seq: int, good: int, bad: int | None, limit: int | None, args) -> int | None:
+    """The ceiling search's next length after a probe at `seq` (the last that trained: `good`;
+    the first that did not: `bad`), or None when it is over. Before any out of memory S doubles,
+    but not past `limit`, the first length the planner rules out, which is probed instead
+    (a planner proved wrong there lets the doubling go on); after one, the gap is bisected."""
+    if bad is None:
+        if seq >= args.max_length:
+            return None
+        doubled = min(2 * seq, args.max_length)
+        return limit if limit is not None and seq < limit < doubled else doubled
+    if bad - good <= args.resolution:
+        return None
+    return good + (bad - good) // 2 // args.resolution * args.resolution or good + args.resolution
+
+
+def ceiling(args, setup: Setup, start: int, deadline: float, device: catalogue.Device, rows_out: Rows | None = None):
     """The longest S a probe trains at (see the module docstring); a probe the planner says
     would not finish before the deadline is not started."""
     probe_layers = min(args.probe_layers, setup.shape.layers)
+    before_ballast = in_use(setup.device)  # what the full-depth model left, if anything
     trainable, optimizer = build_model(setup, probe_layers)
     itemsize = torch.finfo(setup.dtype).bits // 8
     ballast_elements = 2 * (setup.shape.layers - probe_layers) * setup.shape.layer_params  # weights + gradients
     ballast = torch.empty(ballast_elements, dtype=setup.dtype, device=setup.device)
+    limit = planner_limit(setup, device, start, args.resolution, args.max_length)
     good, bad, probes = 0, None, []
     seq = start
-    while seq <= args.max_length:
-        expected = predicted(setup, seq, device)["step_s"] * probe_layers / setup.shape.layers
+    while seq is not None:
+        plan = predicted(setup, seq, device)
+        expected = plan["step_s"] * probe_layers / setup.shape.layers
+        probe = {"seq": seq, "planner_peak_bytes": plan["peak_bytes"], "in_use_before": in_use(setup.device)}
         if time.monotonic() + expected > deadline:
-            probes.append({"seq": seq, "result": f"not started: the budget (the planner's {expected:.0f} s)"})
-            print(f"  probe S={seq}: {probes[-1]['result']}", flush=True)
+            probes.append({**probe, "result": f"not started: the budget (the planner's {expected:.0f} s)"})
+            _report_probe(rows_out, probes[-1])
             break
+        out_of_memory = False
         try:
             result = step(setup, trainable, optimizer, seq)
-            good = seq
-            probes.append({"seq": seq, "result": "trained", **result})
         except Exception as error:  # noqa: BLE001 - see full_depth
             if not is_out_of_memory(error):
                 raise
-            optimizer.zero_grad(set_to_none=True)
-            _empty_cache(setup.device)
+            out_of_memory = True
+        if out_of_memory:
+            release(setup, optimizer)
             bad = seq
-            probes.append({"seq": seq, "result": "out of memory"})
-        print(f"  probe S={seq}: {probes[-1]['result']}", flush=True)
-        if bad is None:
-            seq = min(2 * seq, args.max_length) if seq < args.max_length else args.max_length + 1
-        elif bad - good <= args.resolution:
-            break
+            probes.append({**probe, "result": "out of memory"})
         else:
-            seq = good + (bad - good) // 2 // args.resolution * args.resolution or good + args.resolution
+            good = seq
+            probes.append({**probe, "result": "trained", **result})
+        _report_probe(rows_out, probes[-1])
+        seq = next_probe(seq, good, bad, limit, args)
     del ballast, trainable, optimizer
     _empty_cache(setup.device)
     return {
         "longest_seq": good,
         "first_out_of_memory": bad,
+        "planner_limit": limit,
         "probe_layers": probe_layers,
         "ballast_bytes": ballast_elements * itemsize,
+        "in_use_before_ballast": before_ballast,
         "capped": bad is None,  # by --max-length or the budget: no out of memory seen
         "probes": probes,
     }
+
+
+def _report_probe(rows_out: Rows | None, probe: dict) -> None:
+    if rows_out is None:
+        return
+    used = probe["in_use_before"]["allocated_bytes"] / GIB
+    rows_out.add("probe", probe, f"  probe S={probe['seq']}: {probe['result']} (in use before: {used:.1f} GiB)")
 
 
 def _empty_cache(device):
@@ -378,7 +511,9 @@ def report(args, setup: Setup, device: catalogue.Device, rows, top, host) -> str
             else f" (first out of memory: {top['first_out_of_memory']:,})"
         )
         + f", probed on {top['probe_layers']} layers with the other layers' weights and gradients as "
-        f"{top['ballast_bytes'] / GIB:.1f} GiB of ballast.",
+        f"{top['ballast_bytes'] / GIB:.1f} GiB of ballast ({top['in_use_before_ballast']['allocated_bytes'] / GIB:.1f} "
+        f"GiB in use before it{'' if setup.device.type == 'cuda' else ': the process'}); the planner rules out "
+        + (f"{top['planner_limit']:,} tokens and up." if top["planner_limit"] else "no length up to --max-length."),
         f"Host: full depth at {host['seq']:,} tokens needs {host['host_bytes_needed'] / GIB:.1f} GiB of pinned host "
         f"memory; this machine has "
         + (f"{host['machine_ram_gib']:.0f} GiB" if host["machine_ram_gib"] else "an unknown amount")
@@ -393,15 +528,32 @@ def _device_name(device) -> str:
 
 
 def main(argv=None) -> int:
+    allocator = use_expandable_segments()  # before parse_args asks CUDA anything
     args = parse_args(argv)
     deadline = time.monotonic() + args.budget_s
     setup = build_setup(args)
     device = planner_device(args, setup)
+    rows_out = Rows(args.jsonl)
+    rows_out.add(
+        "setup",
+        {
+            "config": args.config,
+            "device": _device_name(setup.device),
+            "planner_device": device.name,
+            "peak_tflops": device.tflops,
+            "allocator": allocator,
+            "budget_s": args.budget_s,
+        },
+        f"{_device_name(setup.device)} as the planner's {device.name} ({device.tflops:g} TFLOP/s); "
+        f"{ALLOCATOR_VARIABLE}={allocator}",
+    )
     print(f"| {COLUMNS} |", flush=True)
-    rows = full_depth(args, setup, device, deadline - args.budget_s / 3)  # a third kept for the probes
+    rows = full_depth(args, setup, device, deadline - args.budget_s / 3, rows_out)  # a third kept for the probes
     trained = [r["seq"] for r in rows if r["result"] == "trained"]
-    top = ceiling(args, setup, max(trained or [args.lengths[0]]), deadline, device)
+    top = ceiling(args, setup, max(trained or [args.lengths[0]]), deadline, device, rows_out)
+    rows_out.add("ceiling", {k: v for k, v in top.items() if k != "probes"})
     host = host_check(setup, max(top["longest_seq"], 1), device)
+    rows_out.add("host", host)
     text = report(args, setup, device, rows, top, host)
     print("\n" + text)
     if args.json:
@@ -410,6 +562,7 @@ def main(argv=None) -> int:
                 {
                     "config": args.config,
                     "device": _device_name(setup.device),
+                    "allocator": allocator,
                     "rows": rows,
                     "ceiling": top,
                     "host": host,

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # Everything a GPU has to show, in one run, into ONE results file. Sized for one 15-minute device
-# lease: the sections' limits add up to the 480 s default deadline (one command may run 600 s),
+# lease: the sections' limits add up to the 520 s default deadline (one command may run 600 s),
 # which leaves, after a machine's start (a minute or more), room for one rerun of the longest
 # section (`--only kernels`); a section the deadline leaves no time for is reported as not run.
+# scripts/gpu_lease.sh runs the new sections of this script within a lease beside the other
+# GPU work (its part a: `--only ... --deadline ... --jsonl ...`).
 # On several GPUs it runs, by default, what one GPU cannot (the NCCL sections) and what they
 # need, within the same deadline (SEVERAL_GPUS_ONLY below; `--only` chooses others).
 #
 #   bash scripts/gpu_check.sh                   # on a CUDA machine: results in gpu_check_results/gpu_check.md
 #   bash scripts/gpu_check.sh --out DIR         # (the device tool's $OUT is used when set)
 #   bash scripts/gpu_check.sh --dry-run         # on CPU: the same sections at CPU sizes (CI runs this)
-#   bash scripts/gpu_check.sh --deadline 480    # seconds for the whole run (default 480; dry run 1200)
+#   bash scripts/gpu_check.sh --deadline 520    # seconds for the whole run (default 520; dry run 1200)
 #   bash scripts/gpu_check.sh --only kernels,train   # just these sections (a rerun of what failed)
+#   bash scripts/gpu_check.sh --jsonl FILE      # also one JSON line per section as it finishes
+#
+# Compile safety: a section that fails while compiling flex (an Inductor or Triton error with
+# flex in its log) runs once more with EASY_CONTEXT_FLEX_COMPILE=off (flex eager), within the
+# deadline, and its verdict and JSON line say so: one broken compile does not cost every flex
+# section its other checks. kernels counts flex's graphs first (they are what compiles), and
+# train compares each variant's loss as soon as it has run.
 #
 # Sections, in the order they run: what no GPU has run yet first (so a run cut short still
 # shows it), then what ran on the first H200 run and has changed since, then what has not
@@ -63,8 +72,8 @@
 #   section    first run  limit  since the first run
 #   env        11         13     unchanged
 #   toolchain  0          3      unchanged
-#   kernels    88         115    new: flex compiled once per structure, in fp32 (48 s of compiles then) and now bf16 too; the window case; graph counts; no fp16
-#   softcap    71         55     new: a window shorter than S, flex compiled; one mode (71: two)
+#   kernels    88         150    new: flex compiled once per structure, fp32 and now bf16 too (12 graphs, see below); the window case; graph counts first; no fp16
+#   softcap    71         55     new: a window shorter than S, flex compiled; one mode (71: two); bf16 only (4 graphs)
 #   generate   38         70     new: bf16 decoding, GQA folded decoding steps, gemma2's flex compiled
 #   compile    60         65     new: never finished (killed after about 60 s at S = 8192); S = 1024, one process now
 #   masks      35         38     changed: flex compiled once per structure, the fp32 band path
@@ -74,6 +83,13 @@
 #   multirank  41         20     unchanged: trimmed to fp32, no gloo exactness run (41: fp32, bf16, 2 gloo ranks)
 #   peers      0          3      unchanged
 #   two_gpu    0          2      unchanged
+# The compiled sections' limits come from their counted graphs: check_kernels' cases compile 6 of
+# Dynamo's graphs (3 mask structures x fp32 / bf16, counted on CPU: EASY_CONTEXT_FLEX_COMPILE=eager
+# python -m tools.check_kernels ... --graph-lengths), each a forward and a backward for Inductor: 12
+# compiles at about 8 s each (the first run: 48 s for fp32's 6), x 1.25, plus about 30 s of the
+# rest = 150 s. softcap: Gemma-2's 2 structures (global, sliding) x fwd / bwd in bf16 = 4
+# compiles, 40 s + 15 s. generate: gemma2's prefill and decoding structures in fp32 and bf16,
+# about 8 forward compiles, 50 s + 20 s.
 # Compiles are cached in .cache/ (ignored by git: Inductor's FX graph and autograd caches,
 # Triton's kernels), which a warm device machine keeps between calls: a rerun skips compiling.
 # The results file opens with the summary (PASS/FAIL per section) and the speed table.
@@ -86,6 +102,7 @@ REPO=$(pwd)
 DRY_RUN=0
 DEADLINE=
 ONLY=
+JSONL=
 OUT_DIR=${OUT:-gpu_check_results}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -93,8 +110,9 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR=${2:?--out needs a folder}; shift ;;
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
     --only) ONLY=${2:?--only needs section names, comma-separated}; shift ;;
+    --jsonl) JSONL=${2:?--jsonl needs a file}; shift ;;
     -h|--help) sed -n '2,/^set -uo pipefail/p' "$0" | sed '$d'; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS, --only SECTIONS)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (takes --dry-run, --out DIR, --deadline SECONDS, --only SECTIONS, --jsonl FILE)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -104,7 +122,7 @@ SEVERAL_GPU_SECTIONS="collectives exit timeout"  # (and modes_pN) only with seve
 # hold it there).
 SEVERAL_GPUS_ONLY="env,toolchain,modes,collectives,generate,train,exit,timeout"
 case "$DEADLINE" in ''|*[!0-9]*) [ -z "$DEADLINE" ] || { echo "gpu_check.sh: --deadline takes whole seconds, got '$DEADLINE'" >&2; exit 2; } ;; esac
-DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 1200 || echo 480)}  # the device tool allows 600 s per command
+DEADLINE=${DEADLINE:-$([ "$DRY_RUN" = 1 ] && echo 1200 || echo 520)}  # the device tool allows 600 s per command
 PY=${PYTHON:-$(command -v python || command -v python3)}
 if ! "$PY" -c "import torch, transformers" 2>/dev/null; then
   echo "gpu_check.sh: $PY cannot import torch and transformers; activate the environment (or set PYTHON=...)" >&2
@@ -125,6 +143,7 @@ if [ "$DRY_RUN" = 1 ]; then
   KERNEL_ENV="EASY_CONTEXT_FLEX_COMPILE=eager"
   EXACT_ARGS="--seq-length 256"
   SOFTCAP_ARGS="--seq-length 256 --sliding-window 64"
+  SOFTCAP_DTYPES=fp32,bf16
   MODES_P1_DTYPES="fp32,bf16 --autocast"
   COMPILE_LEN=256
   BENCH_ARGS="--device cpu --seq-len 512,1024 --heads 8 --kv-heads 2 --head-dim 64 --iters 2"
@@ -146,6 +165,7 @@ else
   KERNEL_ENV=
   EXACT_ARGS="--seq-length 4096"
   SOFTCAP_ARGS="--seq-length 4096 --sliding-window 1024"  # Gemma-2's own window is 4096: S would not see it
+  SOFTCAP_DTYPES=bf16  # trimmed: fp32 softcap through compiled flex passed on the first run (no window then)
   MODES_P1_DTYPES=bf16  # trimmed: fp32 and autocast passed on the first run, the modes' code unchanged since
   COMPILE_LEN=1024
   BENCH_ARGS="--device cuda --seq-len 8192,32768 --iters 3"
@@ -183,42 +203,62 @@ SUMMARY=()
   echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
 } > "$RESULTS"
 
+# --- the section runner (tests/recipes/test_gpu_check.py runs this block on its own) ---
 # section NAME SECONDS COMMAND...: runs it, its output into the results file, PASS/FAIL/SKIP.
-# Exit status 3 from a command means "skipped: an optional package is missing".
+# Exit status 3 from a command means "skipped: an optional package is missing". A failure while
+# compiling flex reruns it once with flex eager (the header says why).
 section() {
   local name=$1 limit=$2; shift 2
-  local start=$SECONDS status left=$((DEADLINE - SECONDS - 5))
+  local start=$SECONDS status left=$((DEADLINE - SECONDS - 5)) flex=compiled failure
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",${name%%_p[0-9]*},"* && ",$ONLY," != *",$name,"* ]]; then return; fi
   echo "== $name"
   if [ "$left" -lt 10 ]; then  # out of time: say so rather than be killed mid-way
     SUMMARY+=("| $name | FAIL (not run: the ${DEADLINE} s deadline was reached) | 0 |"); FAILED=1
+    json_row "$name" "FAIL (not run: the ${DEADLINE} s deadline was reached)" 0 "$limit" "not run"
     echo "   not run: deadline"; return
   fi
   [ "$limit" -le "$left" ] || limit=$left
-  # bash -c: the command may be one of the functions below (exported), which timeout cannot run;
-  # SECTION_LIMIT: when the command will be stopped (compile dumps its stacks before that)
-  SECTION_LIMIT=$limit timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" > "$WORK/$name.log" 2>&1
+  run_limited "$name" "$limit" "" "$@"
   status=$?
+  if [ $status != 0 ] && [ $status != 3 ] && [ "${EASY_CONTEXT_FLEX_COMPILE:-}" != off ] \
+    && failure=$(flex_compile_failure "$WORK/$name.log"); then
+    mv "$WORK/$name.log" "$WORK/$name.compiled.log"  # kept in the results beside the rerun's
+    left=$((DEADLINE - SECONDS - 5))
+    if [ "$left" -ge 10 ]; then
+      echo "   flex failed to compile ($failure): once more with EASY_CONTEXT_FLEX_COMPILE=off"
+      [ "$limit" -le "$left" ] || limit=$left
+      run_limited "$name" "$limit" EASY_CONTEXT_FLEX_COMPILE=off "$@"
+      status=$?
+      flex="off: compiled flex failed ($failure); rerun with EASY_CONTEXT_FLEX_COMPILE=off"
+    else
+      cp "$WORK/$name.compiled.log" "$WORK/$name.log"
+      flex="failed to compile ($failure); no time left for a rerun with flex eager"
+    fi
+  fi
   local verdict=PASS
   if [ $status = 3 ]; then verdict=SKIP
   elif [ $status = 124 ] || [ $status = 137 ]; then verdict="FAIL (over its ${limit} s limit)"; FAILED=1
   elif [ $status != 0 ]; then verdict="FAIL (exit $status)"; FAILED=1
   fi
+  [[ $flex != off:* ]] || verdict="$verdict (flex eager: its compile failed)"
   SUMMARY+=("| $name | $verdict | $((SECONDS - start)) |")
+  json_row "$name" "$verdict" $((SECONDS - start)) "$limit" "$flex"
   {
     echo
     echo "## $name: $verdict ($((SECONDS - start)) s)"
     echo
+    [ "$flex" = compiled ] || { echo "flex: $flex"; echo; }
     echo '```'
     # keep the file readable: a section's last 200 lines (the tables are at the end)
     tail -n 200 "$WORK/$name.log"
     echo '```'
     # what a section logs beside its output (compile: a run's stderr, its stack dumps, its
-    # TORCH_LOGS), however it ended
+    # TORCH_LOGS; a rerun with flex eager: the compiled run's output), however it ended
     local extra what
-    for extra in stderr stacks torch; do
+    for extra in compiled stderr stacks torch; do
       [ -s "$WORK/$name.$extra.log" ] || continue
       case $extra in
+        compiled) what="the run with flex compiled, which failed to compile" ;;
         stderr) what="stderr (the TORCH_LOGS lines left out: they follow)" ;;
         stacks) what="stack dumps (faulthandler, before the limit)" ;;
         torch) what="torch logs (TORCH_LOGS=$TORCH_LOG_KINDS)" ;;
@@ -234,6 +274,33 @@ section() {
   } >> "$RESULTS"
   echo "   $verdict ($((SECONDS - start)) s)"
 }
+
+# run_limited NAME SECONDS SETTING COMMAND...: the command (a function of this script too: bash -c)
+# with SETTING (VAR=value, or "") in its environment, its output into $WORK/NAME.log, stopped at
+# SECONDS; SECTION_LIMIT tells it when (compile dumps its stacks before that).
+run_limited() {
+  local name=$1 limit=$2 setting=$3; shift 3
+  SECTION_LIMIT=$limit timeout --kill-after=10 "$limit" env $setting bash -c '"$@"' "$name" "$@" \
+    > "$WORK/$name.log" 2>&1
+}
+
+# flex_compile_failure LOG: the first line of a compile error (Inductor, Triton, a backend) in a
+# log that names flex; fails when there is none.
+flex_compile_failure() {
+  grep -qE 'flex' "$1" || return 1
+  grep -m 1 -E 'BackendCompilerFailed|InductorError|LoweringException|CompilationError|InvalidBackend|torch\._inductor\.exc|triton\.compiler' "$1" \
+    | cut -c1-200 | grep .
+}
+
+# json_row NAME RESULT SECONDS LIMIT FLEX: one JSON line into --jsonl's file (if given)
+json_row() {
+  [ -n "$JSONL" ] || return 0
+  printf '{"source": "gpu_check", "section": "%s", "result": "%s", "seconds": %d, "limit_s": %d, "flex_compile": "%s"}\n' \
+    "$(json_text "$1")" "$(json_text "$2")" "$3" "$4" "$(json_text "$5")" >> "$JSONL"
+}
+
+json_text() { printf '%s' "$1" | tr -d '\000-\037' | sed 's/\\/\\\\/g; s/"/\\"/g'; }
+# --- the section runner: end ---
 
 # The summary is written however the run ends (a kill from outside included), so the file
 # always says which sections ran and how they went.
@@ -269,7 +336,7 @@ finish() {
   rm -rf "$WORK"
 }
 trap 'finish; exit $FAILED' EXIT
-trap 'FAILED=1; SUMMARY+=("| (stopped) | FAIL (killed after ${SECONDS} s) | 0 |"); exit 1' TERM INT
+trap 'FAILED=1; SUMMARY+=("| (stopped) | FAIL (killed after ${SECONDS} s) | 0 |"); json_row "(stopped)" "FAIL (killed after ${SECONDS} s)" 0 0 "-"; exit 1' TERM INT
 
 env_report() {
   local entries
@@ -303,9 +370,14 @@ modes_exact() {  # modes_exact NPROC [DTYPE ARGUMENTS]: every mode, one process 
     --mode zigzag_ring_attn,dist_flash_attn,ulysses_attn,usp_attn --dtypes ${2:-fp32,bf16 --autocast} $EXACT_ARGS
 }
 
+kernel_check() {  # the dry run compiles flex with Dynamo's eager backend (KERNEL_ENV), unless a rerun turned it off
+  if [ "${EASY_CONTEXT_FLEX_COMPILE:-}" = off ]; then "$PY" -m tools.check_kernels $KERNEL_ARGS
+  else env $KERNEL_ENV "$PY" -m tools.check_kernels $KERNEL_ARGS; fi
+}
+
 softcap_exact() {  # Gemma-2: softcapped logits, a sliding window shorter than S (flex without flash_attn)
   "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m tools.check_exactness \
-    --model-type gemma2 --mode zigzag_ring_attn --dtypes fp32,bf16 $SOFTCAP_ARGS
+    --model-type gemma2 --mode zigzag_ring_attn --dtypes "$SOFTCAP_DTYPES" $SOFTCAP_ARGS
 }
 
 toolchain() {
@@ -381,12 +453,17 @@ train_options() {
     "all|no|--activation-checkpointing --offload-checkpoints --tiled-mlp 1024 --loss-chunk-size 1024"
     "all_bf16|bf16|--activation-checkpointing --offload-checkpoints --tiled-mlp 1024 --loss-chunk-size 1024"
   )
-  local entry name precision flags
+  local entry name precision flags ran=() failed=0
   for entry in "${variants[@]}"; do
     IFS='|' read -r name precision flags <<< "$entry"
     train_variant "$name" "$precision" $flags
+    ran+=("$name")
+    # compared as soon as it has run: a section stopped at its limit keeps every comparison before
+    if [ "${#ran[@]}" -ge 2 ]; then compare_losses "${ran[0]}" "$name" || failed=1; fi
   done
-  compare_losses plain all all_bf16
+  echo "-- every variant against ${ran[0]}"
+  compare_losses "${ran[@]}" || failed=1
+  return $failed
 }
 
 compile_train() {
@@ -480,19 +557,19 @@ print(f"yunchang LongContextAttention P=1 vs SDPA: max err {(out - ref).abs().ma
 EOF
 }
 
-export -f env_report toolchain modes_exact softcap_exact train_options compile_train train_variant compare_losses peers \
+export -f env_report toolchain kernel_check modes_exact softcap_exact train_options compile_train train_variant compare_losses peers \
   two_gpu_paths exit_clean stuck_rank
 TORCH_LOG_KINDS="recompiles,graph_breaks,dynamo"  # dynamo: its INFO lines time each frame's trace and compile
-export PY WORK NGPU MULTI REPO EXACT_ARGS SOFTCAP_ARGS TRAIN_LEN COMPILE_LEN STUCK_TIMEOUT SEVERAL_GPUS_ONLY \
+export PY WORK NGPU MULTI REPO EXACT_ARGS SOFTCAP_ARGS SOFTCAP_DTYPES KERNEL_ARGS KERNEL_ENV TRAIN_LEN COMPILE_LEN STUCK_TIMEOUT SEVERAL_GPUS_ONLY \
   TORCH_LOG_KINDS
 # limit SECONDS_GPU SECONDS_DRY_RUN: a section's limit. The GPU column is the table in the header
 # (the first H200 run's times, with margins; the trimmed sections below them) and adds up to at
-# most the 480 s default deadline; the dry-run column is sized from CPU runs (docs/benchmarks.md
+# most the 520 s default deadline; the dry-run column is sized from CPU runs (docs/benchmarks.md
 # has the budget table). The order: new on a GPU first, then changed, then unchanged.
 limit() { if [ "$DRY_RUN" = 1 ]; then echo "$2"; else echo "$1"; fi; }
 section env "$(limit 13 30)" env_report
 section toolchain "$(limit 3 10)" toolchain
-section kernels "$(limit 115 120)" env $KERNEL_ENV "$PY" -m tools.check_kernels $KERNEL_ARGS
+section kernels "$(limit 150 120)" kernel_check
 section softcap "$(limit 55 60)" softcap_exact
 section generate "$(limit 70 60)" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$GENERATE_RANKS" \
   -m tools.check_generate $GENERATE_ARGS

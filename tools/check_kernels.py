@@ -24,11 +24,13 @@ at a time limit keeps the rows it finished).
 
 Compiled graphs (--graph-lengths, default on CUDA: S/2 and 3S/4; each over 256, so that every
 case spans more than one of flex's 128-token blocks, a structure of its own): flex compiles once
-per call structure, whatever the lengths (core/backends/flex.py). After the table, flex runs every case
-(forward and backward, each dtype) at each of the two lengths, and Dynamo's graph count is
-printed after each: the second length must compile nothing new (the first may, once: Dynamo
-makes a length symbolic the first time it changes). On CPU, flex runs compiled only under
-EASY_CONTEXT_FLEX_COMPILE (e.g. "eager": Dynamo's graphs without Triton).
+per call structure, whatever the lengths (core/backends/flex.py). Before the table, flex runs every
+case (forward and backward, each dtype) at each of the two lengths, and Dynamo's graph count is
+printed after each: the second length must compile nothing new (the first compiles every
+structure). They come first because they do the compiling (a cold compile is seconds per
+graph), so a run stopped at its time limit has printed them; the table's flex rows then reuse
+the graphs. On CPU, flex runs compiled only under EASY_CONTEXT_FLEX_COMPILE (e.g. "eager":
+Dynamo's graphs without Triton).
 """
 
 from __future__ import annotations
@@ -185,9 +187,9 @@ def graph_count() -> int:
 
 def graph_counts(device, dtypes, lengths, head_dim, report=None) -> list[dict]:
     """flex (forward and backward) on every case and dtype at each length in turn, Dynamo's
-    graph count after each: one row per length, the first one the count before them (the
-    table's). The last length passes when it compiled nothing new: flex compiles per call
-    structure, not per length. report(row) is called as each length finishes."""
+    graph count after each: one row per length, the first one the count before them. The last
+    length passes when it compiled nothing new: flex compiles per call structure, not per
+    length. report(row) is called as each length finishes."""
     flex = kernels.BACKENDS["flex"]
     gen = torch.Generator(device="cpu").manual_seed(1)
     scale = head_dim**-0.5
@@ -236,7 +238,7 @@ def print_row(r: dict) -> None:
 
 def print_graph_row(r: dict) -> None:
     if r["length"] is None:
-        print(f"flex graphs (Dynamo) after the table: {r['graphs']}", flush=True)
+        print(f"flex graphs (Dynamo) before the lengths: {r['graphs']}", flush=True)
         return
     verdict = "yes" if r["ok"] else "NO"
     print(
@@ -257,7 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--graph-lengths",
         default=None,
-        help="two lengths, comma-separated, at which flex's compiled graphs are counted after the table "
+        help="two lengths, comma-separated, at which flex's compiled graphs are counted before the table "
         "(default on CUDA: S/2,3S/4, at least 272,288; on CPU none; 0: none; each over 256)",
     )
     parser.add_argument("--json", default=None, metavar="PATH")
@@ -293,6 +295,14 @@ def main(argv=None) -> int:
         f"{len(band_tiles(band, band, window_of(band)))} band tiles (dK/dV summed where they overlap)",
         flush=True,
     )
+    graphs = []
+    if lengths and not flex_backend.flex_usable():
+        print("SKIP flex graph counts: flex is not usable with this torch", flush=True)
+    elif lengths and flex_backend.flex_compile_backend(device) is None:
+        print(f"SKIP flex graph counts: flex runs eagerly on {device.type} (set EASY_CONTEXT_FLEX_COMPILE)", flush=True)
+    elif lengths:
+        graphs = graph_counts(device, [DTYPES[n] for n in names], lengths, args.head_dim, report=print_graph_row)
+        print("flex graphs: the second length must compile nothing new (flex compiles per structure)", flush=True)
     print(
         f"{'backend':15}{'dtype':10}{'case':13}{'out':>9}{'dq':>9}{'dk':>9}{'dv':>9}{'lse rel':>9}"
         "  (sdpa: out dq dk dv)  ok      s",
@@ -304,14 +314,6 @@ def main(argv=None) -> int:
         "lse relative 1e-5 (fp32), 2^-8 (bf16), 2^-11 (fp16); s: forward + backward (a first call compiles)",
         flush=True,
     )
-    graphs = []
-    if lengths and not flex_backend.flex_usable():
-        print("SKIP flex graph counts: flex is not usable with this torch", flush=True)
-    elif lengths and flex_backend.flex_compile_backend(device) is None:
-        print(f"SKIP flex graph counts: flex runs eagerly on {device.type} (set EASY_CONTEXT_FLEX_COMPILE)", flush=True)
-    elif lengths:
-        graphs = graph_counts(device, [DTYPES[n] for n in names], lengths, args.head_dim, report=print_graph_row)
-        print("flex graphs: the second length must compile nothing new (flex compiles per structure)", flush=True)
     ok = bool(rows) and all(r["ok"] for r in rows) and all(r["ok"] for r in graphs)
     if args.json:
         with open(args.json, "w") as f:

@@ -19,8 +19,10 @@ __all__ = [
     "Options",
     "PlanError",
     "default_host_memory",
+    "device_of_gpu",
     "get_device",
     "load_model",
+    "local_gpus",
     "machine_memory_gib",
     "shape_from_config",
 ]
@@ -194,7 +196,24 @@ def _cpu_memory_gib() -> float:
     return machine_memory_gib() or 16.0
 
 
-def _local_gpus() -> list[str]:
+def device_of_gpu(model: str) -> str:
+    """The catalogue's name for a GPU model as the driver or torch names it ("NVIDIA H100 80GB
+    HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", ...): its board decides its
+    peak (an H100 on PCIe runs at 756 of the SXM board's 989 TFLOP/s). A model not in the
+    catalogue is its lower-cased name (get_device refuses it by that name)."""
+    name = model.upper().replace("NVIDIA", "").strip()
+    if "H200" in name:
+        return "h200-nvl" if "NVL" in name else "h200"
+    if "H100" in name:
+        if "NVL" in name:
+            return "h100-nvl"
+        return "h100-pcie" if "PCIE" in name else "h100-80g"
+    if "A100" in name:
+        return "a100-40g" if "40GB" in name.replace(" ", "") else "a100-80g"
+    return model.strip().lower()
+
+
+def local_gpus() -> list[str]:
     """The catalogue names of this machine's NVIDIA GPUs, from the driver's /proc entries (no
     CUDA initialised, nothing imported); [] where there are none or no driver."""
     import glob
@@ -206,23 +225,23 @@ def _local_gpus() -> list[str]:
                 model = next((line.split(":", 1)[1] for line in f if line.startswith("Model:")), "")
         except OSError:
             continue
-        model = model.upper()
-        if "H200" in model:
-            names.append("h200")
-        elif "H100" in model:
-            names.append("h100-80g")
-        elif "A100" in model:
-            names.append("a100-40g" if "40GB" in model.replace(" ", "") else "a100-80g")
-        else:
-            names.append(model.strip().lower())
+        names.append(device_of_gpu(model))
     return names
 
 
+# tflops: dense bf16 Tensor Core peaks, the datasheets' "with sparsity" figures halved: NVIDIA
+# H100 (SXM 1,979, PCIe 1,513, NVL 1,671) and H200 (SXM 1,979, NVL 1,671); A100 312. The one
+# place these numbers live (MFU divides by them: benchmarks/bench_long_context.py). The links
+# of the PCIe boards: PCIe Gen5 x16 (H100 PCIe), a pair's NVLink bridge, 600 GB/s both ways
+# (NVL boards).
 DEVICES = {
     "a100-40g": Device("a100-40g", 40.0, 312.0, 300.0, 25.0, 25.0, 2.0, host_gib=1024.0),
     "a100-80g": Device("a100-80g", 80.0, 312.0, 300.0, 25.0, 25.0, 2.0),
-    "h100-80g": Device("h100-80g", 80.0, 989.0, 450.0, 50.0, 50.0, 2.0),
-    "h200": Device("h200", 140.0, 989.0, 450.0, 50.0, 50.0, 2.0),
+    "h100-80g": Device("h100-80g", 80.0, 989.0, 450.0, 50.0, 50.0, 2.0),  # SXM
+    "h100-pcie": Device("h100-pcie", 80.0, 756.0, 50.0, 50.0, 50.0, 2.0),
+    "h100-nvl": Device("h100-nvl", 94.0, 835.0, 300.0, 50.0, 50.0, 2.0),
+    "h200": Device("h200", 140.0, 989.0, 450.0, 50.0, 50.0, 2.0),  # SXM
+    "h200-nvl": Device("h200-nvl", 140.0, 835.0, 300.0, 50.0, 50.0, 2.0),
     # The CPU machine the validation runs on: one process per rank, fp32, gloo. Runtime =
     # RSS of a rank before the step minus its weights (docs/bench_train.csv: 392-397 MiB).
     "cpu": Device(
@@ -274,7 +293,7 @@ def default_host_memory(device: Device, gpus: int) -> tuple[float, str]:
     given: this machine's RAM where the plan is for this machine (--gpu cpu, or this machine
     has at least a node's worth, min(gpus, per node), of the named GPU), else the named GPU's
     node default (Device.host_gib)."""
-    if device.memory_is_host or _local_gpus().count(device.name) >= min(gpus, device.per_node):
+    if device.memory_is_host or local_gpus().count(device.name) >= min(gpus, device.per_node):
         ram = machine_memory_gib()
         if ram:
             return ram, "this machine's RAM"

@@ -26,8 +26,10 @@ EFFICIENCY = 0.5
 # flash SDPA 327 TFLOP/s, the cuda_flash kernel the modes run 1.00x of it, zigzag_ring_attn and
 # dist_flash_attn at P = 1 1.01x, i.e. 324-327 of the 989 TFLOPS peak = 0.33 (0.28 at S = 8K;
 # the long sequences the planner is for are nearer the 32K figure). The H100 is the same chip
-# at the same peak; its figure is assumed equal, not measured. A100: not measured (EFFICIENCY).
-ATTENTION_EFFICIENCY = {"h200": 0.33, "h100-80g": 0.33}
+# at the same peak; its figure is assumed equal, not measured, and so is the PCIe and NVL
+# boards' (the same chip at lower clocks: the fraction of their own peaks). A100: not measured
+# (EFFICIENCY).
+ATTENTION_EFFICIENCY = {name: 0.33 for name in ("h200", "h200-nvl", "h100-80g", "h100-pcie", "h100-nvl")}
 
 
 def efficiency(device: Device) -> tuple[float, float]:

@@ -312,16 +312,16 @@ def first_run_table(script: str) -> dict:
 
 def test_gpu_check_budget_fits_its_deadlines():
     """Every section has a limit on a GPU and in the dry run, and each column adds up to at most
-    its default deadline (480 s on one GPU: the device allows 600 s per command; 1200 s on CPU),
+    its default deadline (520 s on one GPU: the device allows 600 s per command; 1200 s on CPU),
     so no section is cut short by the ones before it. On several GPUs, the sections the two_gpu
-    line names for `--only` fit the same 480 s."""
+    line names for `--only` fit the same 520 s."""
     script = SCRIPT.read_text()
     limits = section_limits(script)
     assert {name.replace("$MULTI", "2") for name, _, _ in limits} == {*SECTIONS, "peers"}, limits
     deadlines = re.search(DEADLINE_RE, script)
     dry_deadline, gpu_deadline = int(deadlines[1]), int(deadlines[2])
     one_gpu = [gpu for name, gpu, _ in limits if "$MULTI" not in name]  # _pN: several GPUs only
-    assert gpu_deadline == 480 and sum(one_gpu) <= gpu_deadline, limits
+    assert gpu_deadline == 520 and sum(one_gpu) <= gpu_deadline, limits
     assert sum(dry for _, _, dry in limits) <= dry_deadline, limits
     several = re.search(r'SEVERAL_GPUS_ONLY="([\w,]+)"', script)[1].split(",")  # the default on several GPUs
     chosen = [gpu for name, gpu, _ in limits if name.replace("_p$MULTI", "").replace("_p1", "") in several]
@@ -439,3 +439,101 @@ def test_gpu_check_names_the_new_cases_in_their_tools():
     assert re.search(r'TORCH_LOG_KINDS="recompiles,graph_breaks', script)
     variant = script.split("train_variant() {", 1)[1].split("\n}\n", 1)[0]
     assert "-X faulthandler" in variant and "dump_traceback_later" in variant and 'if [ "$nproc" = 1 ]' in variant
+
+
+def runner_block(script: str) -> str:
+    """The script's section runner (section, run_limited, flex_compile_failure, json_row), to
+    run on its own with stand-in sections."""
+    begin = "# --- the section runner (tests/recipes/test_gpu_check.py runs this block on its own) ---\n"
+    return script.split(begin, 1)[1].split("# --- the section runner: end ---", 1)[0]
+
+
+def run_sections(tmp_path, calls: str) -> subprocess.CompletedProcess:
+    harness = "\n".join(
+        [
+            "set -uo pipefail",
+            f"DEADLINE=300 RESULTS={tmp_path}/results.md JSONL={tmp_path}/rows.jsonl",
+            f"export WORK={tmp_path}",
+            "ONLY= FAILED=0 TORCH_LOG_KINDS= SUMMARY=()",
+            runner_block(SCRIPT.read_text()),
+            calls,
+            'printf "%s\\n" "${SUMMARY[@]}"',
+        ]
+    )
+    return subprocess.run(["bash", "-c", harness], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.slow
+def test_a_section_that_fails_to_compile_flex_reruns_once_with_flex_eager(tmp_path):
+    """A section whose log shows flex failing to compile runs once more with
+    EASY_CONTEXT_FLEX_COMPILE=off, and its verdict, its JSON line and the results file say so;
+    one that fails for another reason (or fails again eager) is not rerun (again)."""
+    calls = """
+compiles_badly() {  # flex fails to compile unless it runs eager
+  echo "run $EASY_CONTEXT_FLEX_COMPILE" >> "$WORK/calls"
+  if [ "$EASY_CONTEXT_FLEX_COMPILE" = off ]; then echo "flex  float32  causal  yes"; return 0; fi
+  echo "flex  float32  causal  FAILED: BackendCompilerFailed: backend='inductor' raised: CompilationError"
+  return 1
+}
+always_broken() { echo "run $EASY_CONTEXT_FLEX_COMPILE" >> "$WORK/calls"; echo "InductorError in flex.py"; return 1; }
+wrong() { echo "flex  float32  causal  FAILED: RuntimeError: a wrong number"; return 1; }
+export -f compiles_badly always_broken wrong
+export EASY_CONTEXT_FLEX_COMPILE=inductor
+section kernels 30 compiles_badly
+section softcap 30 always_broken
+section masks 30 wrong
+"""
+    run = run_sections(tmp_path, calls)
+    summary = run.stdout
+    assert "| kernels | PASS (flex eager: its compile failed) |" in summary, run.stdout + run.stderr
+    assert "| softcap | FAIL (exit 1) (flex eager: its compile failed) |" in summary, summary
+    assert "| masks | FAIL (exit 1) |" in summary, summary
+    assert (tmp_path / "calls").read_text().split("\n")[:4] == ["run inductor", "run off", "run inductor", "run off"]
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["section"] for r in rows] == ["kernels", "softcap", "masks"]
+    assert rows[0]["flex_compile"].startswith("off: compiled flex failed (flex  float32  causal  FAILED: Backend")
+    assert rows[0]["result"] == "PASS (flex eager: its compile failed)" and rows[2]["flex_compile"] == "compiled"
+    results = (tmp_path / "results.md").read_text()
+    assert "### kernels: the run with flex compiled, which failed to compile" in results
+    assert "flex: off: compiled flex failed" in section_output(results, "kernels")
+
+
+@pytest.mark.slow
+def test_train_compares_each_variant_as_soon_as_it_has_run(tmp_path):
+    """train_options compares plain with each variant right after it (a section stopped at its
+    limit keeps the comparisons so far), then all of them together."""
+    script = SCRIPT.read_text()
+    body = "train_options() {" + script.split("train_options() {", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
+    harness = (
+        body
+        + """
+train_variant() { echo "ran $1"; }
+compare_losses() { echo "compare $*"; }
+train_options
+"""
+    )
+    run = subprocess.run(["bash", "-c", harness], capture_output=True, text=True, timeout=30)
+    assert run.stdout.splitlines() == [
+        "ran plain", "ran all", "compare plain all", "ran all_bf16", "compare plain all_bf16",
+        "-- every variant against plain", "compare plain all all_bf16",
+    ], run.stdout + run.stderr  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_check_kernels_counts_flex_graphs_before_the_table(monkeypatch, capsys):
+    """The graph counts do the compiling, so they come first: stopped at the table's first case,
+    check_kernels has printed both lengths' counts."""
+    monkeypatch.setenv(flex_backend.FLEX_COMPILE_ENV, "eager")
+    monkeypatch.setattr(check_kernels, "check", stop_at_call(1, check_kernels.check))
+    limit = torch._dynamo.config.patch(recompile_limit=64)
+    limit.__enter__()
+    try:
+        torch._dynamo.reset()
+        with pytest.raises(Stop):
+            check_kernels.main(["--device", "cpu", "--dtypes", "fp32", "--seq-len", "64", "--head-dim", "16",
+                                "--graph-lengths", "272,288"])  # fmt: skip
+    finally:
+        limit.__exit__(None, None, None)
+        torch._dynamo.reset()
+    out = capsys.readouterr().out
+    assert re.search(r"flex graphs \(Dynamo\) after S=288: \d+ \(0 new", out), out

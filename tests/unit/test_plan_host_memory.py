@@ -110,12 +110,12 @@ def test_default_host_memory(monkeypatch):
     ram = P.machine_memory_gib()
     assert ram and ram > 0
     assert P.default_host_memory(P.get_device("cpu"), 2) == (ram, "this machine's RAM")
-    monkeypatch.setattr(catalogue, "_local_gpus", lambda: [])
+    monkeypatch.setattr(catalogue, "local_gpus", lambda: [])
     gib, source = P.default_host_memory(H100, 1)
     assert gib == 2048.0 and source.startswith("the default for a node of h100-80g")
     assert P.default_host_memory(P.get_device("a100-40g"), 8)[0] == 1024.0
     # this machine has the named GPU: its RAM, when it has a node's worth of them
-    monkeypatch.setattr(catalogue, "_local_gpus", lambda: ["h100-80g"])
+    monkeypatch.setattr(catalogue, "local_gpus", lambda: ["h100-80g"])
     assert P.default_host_memory(H100, 1) == (ram, "this machine's RAM")
     assert P.default_host_memory(H100, 8)[0] == 2048.0
     assert P.default_host_memory(P.get_device("h200"), 1)[0] == 2048.0
