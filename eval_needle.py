@@ -38,7 +38,7 @@ from recipes.evaluation import load_scorer_for_flags, resolve_model
 from recipes.evaluation_config import NeedleConfig, NeedlePromptConfig, NeedleSweepConfig, parser
 from recipes.launch import Stage, run_job, run_main
 from recipes.launch import fail as launch_fail
-from recipes.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
+from recipes.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt, chat_frame
 from recipes.plots import needle_heatmap
 
 
@@ -77,6 +77,7 @@ def haystack_text(prompts: NeedlePromptConfig) -> str:
 def make_prompt(prompts: NeedlePromptConfig, tokenizer, haystack, length: int, depth: float, sample: int):
     """The prompt of one cell and sample: a pure function of the arguments (every rank of an
     SP group builds the same one)."""
+    chat = chat_frame(tokenizer) if prompts.chat_template else None
     rng = random.Random(f"{prompts.seed}/{length}/{depth}/{sample}")
     digits = prompts.rnd_number_digits
 
@@ -84,10 +85,12 @@ def make_prompt(prompts: NeedlePromptConfig, tokenizer, haystack, length: int, d
         return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
     if prompts.task == "passkey":
-        return build_prompt(tokenizer, haystack, PASSKEY, length, depth, key="", value=number())
+        return build_prompt(tokenizer, haystack, PASSKEY, length, depth, key="", value=number(), chat=chat)
     city, *others = rng.sample(CITIES, 1 + prompts.num_distractor)
     distractors = [(NEEDLE.needle.format(key=other, value=number()), rng.random()) for other in others]
-    return build_prompt(tokenizer, haystack, NEEDLE, length, depth, key=city, value=number(), distractors=distractors)
+    return build_prompt(
+        tokenizer, haystack, NEEDLE, length, depth, key=city, value=number(), distractors=distractors, chat=chat
+    )
 
 
 def evaluate_prompt(scorer, tokenizer, prompt) -> dict:

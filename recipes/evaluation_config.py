@@ -149,6 +149,11 @@ class NeedlePromptConfig:
         ("--haystack_dir",),
     )
     seed: int = option(42, "the prompts' seed (the same seed, the same prompts)")
+    chat_template: bool = option(
+        False,
+        "ask through the tokenizer's chat template: the haystack and the question as the user's turn, "
+        "the bare number as the assistant's answer (an instruct model; with --generate, answered freely)",
+    )
 
 
 @dataclass

@@ -15,7 +15,7 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Task", "NEEDLE", "PASSKEY", "PASSKEY_FILLER", "CITIES", "Haystack", "Prompt", "build_prompt"]
+__all__ = ["Task", "NEEDLE", "PASSKEY", "PASSKEY_FILLER", "CITIES", "Haystack", "Prompt", "build_prompt", "chat_frame"]
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,9 @@ class Task:
 
     name: str
     needle: str
-    question: str
+    question: str  # a completion cue: the answer follows it directly
     answer: str
+    request: str  # the same question asked as a user's turn (a chat template's prompts)
 
 
 NEEDLE = Task(
@@ -33,6 +34,7 @@ NEEDLE = Task(
     needle="The special magic {key} number is: {value}.",
     question="\nWhat is the special magic {key} number? The special magic {key} number is:",
     answer=" {value}",
+    request="\n\nWhat is the special magic {key} number in the text above? Answer with the number only.",
 )
 # Landmark Attention's passkey retrieval: a key line in a repeated filler.
 PASSKEY = Task(
@@ -40,6 +42,7 @@ PASSKEY = Task(
     needle="The pass key is {value}. Remember it. {value} is the pass key.",
     question="\nWhat is the pass key? The pass key is",
     answer=" {value}",
+    request="\n\nWhat is the pass key in the text above? Answer with the number only.",
 )
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 CITIES = (
@@ -159,6 +162,25 @@ def _count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+CHAT_SLOT = "\x00the user's message\x00"  # a text no template or haystack holds
+
+
+def chat_frame(tokenizer) -> tuple[str, str]:
+    """What the tokenizer's chat template puts before and after one user message, up to the
+    assistant's turn: the haystack and the request go between them, the answer after."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template: leave out --chat-template (a base model completes the cue)"
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CHAT_SLOT}], add_generation_prompt=True, tokenize=False
+    )
+    before, found, after = text.partition(CHAT_SLOT)
+    if not found:
+        raise ValueError("the tokenizer's chat template does not show the user's message as given")
+    return before, after
+
+
 def build_prompt(
     tokenizer,
     haystack: Haystack,
@@ -168,17 +190,25 @@ def build_prompt(
     key: str,
     value: str,
     distractors: list[tuple[str, float]] = (),
+    chat: tuple[str, str] | None = None,
 ) -> Prompt:
     """A prompt of at most `length` tokens (usually exactly) with the needle at `depth`.
 
     distractors: (sentence, depth) pairs, other needles placed at their own depths.
+    chat: chat_frame(tokenizer): the haystack and task.request become the user's turn and the
+    answer (the bare value) the assistant's; without it the haystack ends in task.question,
+    which the answer completes.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be within [0, 1], got {depth}")
     needle = task.needle.format(key=key, value=value) + " "
-    question = task.question.format(key=key, value=value)
-    answer_ids = tokenizer(task.answer.format(key=key, value=value), add_special_tokens=False)["input_ids"]
-    specials = len(tokenizer("")["input_ids"])  # BOS (or nothing)
+    if chat is None:
+        prefix, question, answer = "", task.question.format(key=key, value=value), task.answer
+    else:
+        prefix, question, answer = chat[0], task.request.format(key=key, value=value) + chat[1], "{value}"
+    answer_ids = tokenizer(answer.format(key=key, value=value), add_special_tokens=False)["input_ids"]
+    # BOS (or nothing); or the chat template's header, special tokens written in it
+    specials = len(tokenizer(prefix, add_special_tokens=not prefix)["input_ids"])
     needle_tokens = _count(tokenizer, needle)
     inserted = [(d + " ", depth_d, _count(tokenizer, d + " ")) for d, depth_d in distractors]
     fixed = specials + _count(tokenizer, question) + len(answer_ids)
@@ -207,6 +237,7 @@ def build_prompt(
             key,
             value,
             specials,
+            prefix,
         )
         excess = len(prompt.input_ids) - length
         if excess <= 0 and (best is None or len(prompt.input_ids) > len(best.input_ids)):
@@ -235,6 +266,7 @@ def _assemble(
     key,
     value,
     specials,
+    prefix,
 ) -> Prompt:
     context_tokens = budget + needle_tokens + sum(n for _, _, n in inserted)
     target = round(depth * (context_tokens - needle_tokens))  # needle start, in context tokens
@@ -268,8 +300,11 @@ def _assemble(
         cursor = place
     pieces.append(haystack.text[cursor:end] + question)
     prompt_text = "".join(pieces)
-    prompt_ids = tokenizer(prompt_text)["input_ids"]
-    position = specials + _tokens_before(_token_spans(tokenizer, prompt_text), needle_char)
+    # a chat template writes its own special tokens (as apply_chat_template, none are added);
+    # the needle is found in the whole text: the template's last token may merge with the haystack's first
+    prompt_ids = tokenizer(prefix + prompt_text, add_special_tokens=not prefix)["input_ids"]
+    added = 0 if prefix else specials
+    position = added + _tokens_before(_token_spans(tokenizer, prefix + prompt_text), len(prefix) + needle_char)
     context = len(prompt_ids) - _count(tokenizer, question) - specials
     return Prompt(
         input_ids=list(prompt_ids) + list(answer_ids),

@@ -37,3 +37,18 @@ def real_model_dir() -> Path:
     if result.returncode != 0:
         pytest.fail(f"could not fetch the real model: {result.stderr.strip().splitlines()[-1:]}", pytrace=False)
     return model_folder(REAL_MODEL)
+
+
+@functools.cache
+def real_text_ids(count: int):
+    """The first `count` tokens of a held-out real document (the standard library's asyncio
+    package, recipes/data/long_text.py), as a (1, count) tensor."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from recipes.data.long_text import documents
+
+    text = next(doc.text for doc in documents("held_out", sources=("stdlib",)) if doc.name == "asyncio")
+    ids = AutoTokenizer.from_pretrained(real_model_dir())(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= count, (len(ids), count)
+    return torch.tensor(ids[:count]).unsqueeze(0)

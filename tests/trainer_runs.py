@@ -76,8 +76,10 @@ def _as_distributed(rank: int, world: int) -> None:
 
 def train(rank: int, world: int, spec: dict) -> dict:
     """spec: mode, options, collator, batch, accumulate, steps, out, save_steps, resume, sft, lora (a rank),
-    model_type (a tiny model of that type; default a tiny Llama), balance_work (prepare_trainer's;
-    the reference reads WorkBalancedShuffle's order)."""
+    model_type (a tiny model of that type; default a tiny Llama), model_dir (pretrained weights
+    instead), documents ({"train": rows, "eval": rows} of token ids; default: random bytes),
+    learning_rate (default 0.5), balance_work (prepare_trainer's; the reference reads
+    WorkBalancedShuffle's order)."""
     _as_distributed(rank, world)
     from datasets import Dataset
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -91,15 +93,15 @@ def train(rank: int, world: int, spec: dict) -> dict:
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
 
-    train_set = Dataset.from_dict({"input_ids": documents(48, seed=1)})
-    eval_set = Dataset.from_dict({"input_ids": documents(8, seed=2)})
+    rows = spec.get("documents") or {"train": documents(48, seed=1), "eval": documents(8, seed=2)}
+    train_set, eval_set = (Dataset.from_dict({"input_ids": rows[split]}) for split in ("train", "eval"))
     common = dict(
         output_dir=spec["out"],
         per_device_train_batch_size=spec["batch"],
         per_device_eval_batch_size=spec.get("eval_batch", 2),
         gradient_accumulation_steps=spec["accumulate"],
         max_steps=spec["steps"],
-        learning_rate=0.5,
+        learning_rate=spec.get("learning_rate", 0.5),
         optim="sgd",
         lr_scheduler_type="linear",
         warmup_steps=0,
@@ -112,7 +114,11 @@ def train(rank: int, world: int, spec: dict) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    if spec.get("model_type") is None:
+    if spec.get("model_dir"):  # pretrained weights (tests/real_model.py)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa", dtype=torch.float32)
+    elif spec.get("model_type") is None:
         model = tiny_model("llama", **BYTE_LLAMA)
     else:
         model = tiny_model(spec["model_type"], sweep=True, **BYTE_IDS, **spec.get("config", {}))

@@ -19,8 +19,9 @@ reports. The parts, in order (limits in seconds, adding up to 770, under 13 minu
           two_gpu.
   b  250  the real model's context extension: SmolLM2-135M-Instruct (8,192 positions) trained at
           65,536 tokens with its RoPE base raised 10x (NTK-aware for 8x: 1e5 * 8^(64/62) ~ 8.6e5),
-          on train.py's embedded needle documents with its own tokenizer; perplexity by length
-          (8K-64K) and the needle heatmap (generated answers, 8K-64K x 5 depths) before and after.
+          on train.py's embedded needle documents (the GPU image has no `datasets` to read
+          recipes/data/long_text.py's files); perplexity by length (8K-64K) and the needle heatmap
+          (asked through the chat template, generated answers, 8K-64K x 5 depths) before and after.
   c  230  the Llama-3.1-8B shape (configs/llama-3.1-8b): one full-depth length (64K, one timed
           step) and the ceiling probes (benchmarks/bench_long_context.py).
 
@@ -245,6 +246,7 @@ def part_b(steps: Steps, rows: Rows, clock: Clock, limit: float, out: Path, size
         command = [python, "eval_needle.py", "--model", source, "--generate", "--num-samples", "1"]
         command += ["--min-context-length", str(low), "--max-context-length", str(high)]
         command += ["--context-interval", str(interval), "--depth-interval", "0.25", "--output-dir", str(folder)]
+        command += ["--chat-template"] if sizes.model is None else []  # the instruct model asked as it was tuned
         step_limit = left(step)
         result, seconds = steps.run(step, command + ["--hide-progress"], step_limit)
         extra, found = {}, sorted(folder.glob("*.json"))

