@@ -144,6 +144,21 @@ def _length_fields(fields: dict, prefix: str = ""):
                     yield f"{prefix}{name}", v
 
 
+def _built(name: str) -> dict:
+    """The shrunk released config as this transformers builds it; skipped where it cannot (the
+    floors' transformers 5.9 lacks some types and asks Phi-3's longrope for its original context
+    inside rope_parameters; the released configs' sweep runs on the pinned versions)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type, fields = released_configs.shrunk(name)
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"{model_type} is not in this transformers")
+    try:
+        return tiny_config(model_type, **fields).to_dict()
+    except (KeyError, ValueError) as error:
+        pytest.skip(f"this transformers does not build {name}'s shrunk config: {error}")
+
+
 @pytest.mark.parametrize("name", released_configs.names())
 def test_the_shrunk_released_config_keeps_no_length_the_sweep_does_not_cross(name):
     """Every length the shrunk config holds, as transformers builds it (MiMo's config derives
@@ -153,12 +168,12 @@ def test_the_shrunk_released_config_keeps_no_length_the_sweep_does_not_cross(nam
     the type is refused, and the sweep runs nothing of it."""
     from easy_context.hf.architectures import check_model_type
 
-    model_type, fields = released_configs.shrunk(name)
+    model_type, _ = released_configs.shrunk(name)
     try:
         check_model_type(model_type)
     except ValueError:
         return
-    config = tiny_config(model_type, **fields).to_dict()
+    config = _built(name)
     lengths = dict(_length_fields(config))
     kept = {field: value for field, value in lengths.items() if value >= exact_step.SEQ}
     assert not kept, f"{name}: {kept} not below the sweep's {exact_step.SEQ} tokens (tools/released_configs.LENGTHS)"
@@ -175,6 +190,5 @@ def test_the_length_fields_are_found_where_released_configs_hold_them():
         "openai--gpt-oss-20b": {"sliding_window", "initial_context_length"},
     }
     for name, fields in expected.items():
-        model_type, shrunk = released_configs.shrunk(name)
-        found = dict(_length_fields(tiny_config(model_type, **shrunk).to_dict()))
+        found = dict(_length_fields(_built(name)))
         assert fields <= set(found), (name, found)
