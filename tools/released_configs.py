@@ -5,9 +5,10 @@ from), shrunk for the model sweep with their feature fields as released.
 
 Shrunk: widths, heads, vocabulary, experts (tools/tiny_configs.py's rules), and depth to the
 shortest prefix of the layer pattern that holds every layer kind. Kept: every other field as
-released (norms, biases, softcaps, sinks, MoE routing, rope type and factors), with the lengths
-scaled to the sweep's sequence: a sliding window becomes tiny_configs.WINDOW and the rope's
-original context 64 tokens, so the sweep's 128 tokens cross both.
+released (norms, biases, softcaps, sinks, MoE routing, rope type and factors), with every length
+a model compares positions against shorter than the sweep's sequence (`LENGTHS`): windows and
+attention chunks become tiny_configs.WINDOW and a rope's original context 64 tokens, so the
+sweep's 128 tokens cross each (and longrope, llama3 and yarn use their long-context factors).
 """
 
 from __future__ import annotations
@@ -17,9 +18,22 @@ import math
 import sys
 from pathlib import Path
 
+from tools.tiny_configs import WINDOW
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "released_configs"
 ORIGINAL_CONTEXT = 64  # shorter than exact_step.SEQ
+# The length fields a released config may keep, at the top level or in its rope parameters, and
+# what each becomes: windows (MiMo's sliding_window_size, from which its config derives
+# sliding_window), attention chunks, and the context a rope was extended from (Phi-3 keeps it at
+# the top level and transformers moves it into rope_parameters; gpt-oss's initial_context_length).
+LENGTHS = dict(
+    sliding_window=WINDOW,
+    sliding_window_size=WINDOW,
+    attention_chunk_size=WINDOW,
+    original_max_position_embeddings=ORIGINAL_CONTEXT,
+    initial_context_length=ORIGINAL_CONTEXT,
+)
 _NOT_FIELDS = {"architectures", "transformers_version", "torch_dtype", "dtype", "auto_map", "quantization_config"}
 
 
@@ -27,10 +41,16 @@ def names() -> list[str]:
     return sorted(path.stem for path in CONFIGS.glob("*.json"))
 
 
+def _shrunk_lengths(fields: dict) -> dict:
+    """`fields` with each of LENGTHS it holds as a number set to the sweep's (None stays None)."""
+    return {
+        k: LENGTHS[k] if k in LENGTHS and isinstance(v, int) and not isinstance(v, bool) else v
+        for k, v in fields.items()
+    }
+
+
 def _shrunk_rope(parameters: dict, head_dim: int) -> dict:
-    parameters = dict(parameters)
-    if "original_max_position_embeddings" in parameters:
-        parameters["original_max_position_embeddings"] = ORIGINAL_CONTEXT
+    parameters = _shrunk_lengths(parameters)
     if isinstance(parameters.get("mrope_section"), list):  # sections of the rotary frequencies, summed
         half = int(head_dim * parameters.get("partial_rotary_factor", 1.0)) // 2
         sections = [half // len(parameters["mrope_section"])] * len(parameters["mrope_section"])
@@ -74,7 +94,7 @@ def _one_period(pattern):
 
 def shrunk(name: str) -> tuple[str, dict]:
     """(model type, config fields) of a released config, shrunk (see the module docstring)."""
-    from tools.tiny_configs import MAMBA, MLA, SIZES, WINDOW, shrink_by_name
+    from tools.tiny_configs import MAMBA, MLA, SIZES, shrink_by_name
 
     released = json.loads((CONFIGS / f"{name}.json").read_text())
     released = released.get("text_config", released)  # a multimodal checkpoint: its decoder's config
@@ -94,8 +114,7 @@ def shrunk(name: str) -> tuple[str, dict]:
         ]
     if "global_head_dim" in fields:  # the full layers' head dim comes from it, not tiny_configs' per-layer override
         fields["per_layer_config"] = {}
-    if isinstance(fields.get("sliding_window"), int):
-        fields["sliding_window"] = WINDOW
+    fields = _shrunk_lengths(fields)
     if isinstance(fields.get("max_window_layers"), int):
         fields["max_window_layers"] = min(fields["max_window_layers"], 1)
     for key in ("layer_types", "hybrid_override_pattern"):

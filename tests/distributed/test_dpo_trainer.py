@@ -10,7 +10,9 @@ difference of 1e-5; measured at most 1e-8), losses and the eval loss 2e-5 (measu
 logged metrics 5e-5 (measured 8e-6: a sequence's summed log-prob of ~170 has an fp32 spacing of
 1.5e-5, and the rewards are differences of two such sums). DPOConfig's bf16 default is set off;
 its gradient checkpointing stays on. The same test with the all-reduce of hf/preference.py
-removed fails at once (sigmoid: step-2 loss 0.780 against 0.872, weights off by 3.7e-4).
+removed fails at once (sigmoid: step-2 loss 0.780 against 0.872, weights off by 3.7e-4); with
+only its backward's all-reduce removed (each rank's gradient 1/P of the sum's), the logged
+grad_norm fails (the weights do not: max_grad_norm=1.0 clips the norm away).
 
 Also: usp_attn over one SP group of 4 and zigzag_ring_attn over 2 data-parallel groups of 2
 (against one process reading 4 pairs a step), dist_flash_attn, LoRA through TRL's peft_config
@@ -28,7 +30,10 @@ from trainer_runs import SGD_RUN, assert_within_bf16_bound, save_preference_data
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
 LOSS_TOL, METRIC_TOL, WEIGHT_TOL = 2e-5, 5e-5, 1e-6
-METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "num_tokens", "entropy")
+# grad_norm: the Trainer's, before max_grad_norm=1.0 clips it. The clipping scales a gradient of
+# norm above 1 to norm 1, so the weights alone would not see a gradient off by a uniform factor
+# (the backward of hf/preference.py's sum without its all-reduce: 1/P of it).
+METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "num_tokens", "entropy", "grad_norm")
 # (loss types, weighted together as TRL does with a list; precompute_ref_log_probs; other DPOConfig fields)
 ZIGZAG = (
     (("sigmoid",), False, ()),

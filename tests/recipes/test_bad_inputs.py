@@ -73,6 +73,9 @@ FLAG_CASES = [  # (script, flags, message): refused by parse_args before anythin
     ("eval_needle.py", ["--num-distractor", "-1"], "--num-distractor must be between 0 and"),
     ("eval_needle.py", ["--ring-degree", "2"], "--ring-degree applies to usp_attn only"),
     ("eval_needle.py", ["--dist-timeout", "-5"], "argument --dist-timeout: must be a number of seconds"),
+    # both ends of --depth: past parse_args, 1.5 loads the model and then skips every needle task as too short
+    ("eval_ruler.py", ["--depth", "1.5"], "--depth must be a fraction in [0, 1], got 1.5"),
+    ("eval_ruler.py", ["--depth", "-0.1"], "--depth must be a fraction in [0, 1], got -0.1"),
     ("eval_ppl.py", ["--min-tokens", "1"], "need 2 <= --min-tokens <= --max-tokens, got 1 and 4096"),
     ("eval_ppl.py", ["--sliding-window", "0"], "--sliding-window must be >= 1, got 0"),
     ("eval_ppl.py", ["--samples", "-1"], "--samples must be >= 0, got -1"),

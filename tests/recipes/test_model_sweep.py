@@ -1,9 +1,11 @@
 """tools/sweep_models.py holds easy_context/hf/model_types.py's record to what the installed
 transformers does: every supported type exact in each mode family at 2 ranks, every refused type
-refused for its recorded reason or still not exact. The rules of that comparison are checked
-here in one process; the sweep itself runs in CI (about a minute on 2 cores)."""
+refused for its recorded reason or still not exact. The rules of that comparison, and that each
+shrunk released config keeps no length the sweep's tokens do not cross, are checked here in one
+process; the sweep itself runs in CI (about a minute on 2 cores)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from easy_context.hf import model_types
-from tools import exact_step, sweep_models
+from tools import exact_step, released_configs, sweep_models
+from tools.tiny_configs import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GOAL = 70  # issue 41: at least 70 model types exact in every mode
@@ -123,3 +126,69 @@ def test_released_configs_are_exact_or_refused_by_name():
     assert run.returncode == 0 and "failing" not in classes.values(), (run.stdout + run.stderr)[-6000:]
     assert len(classes) == len(list((ROOT / "tests" / "data" / "released_configs").glob("*.json"))) >= 60
     assert sum(cls == "exact" for cls in classes.values()) >= 64, classes
+
+
+# A config field the model compares positions or sequence lengths against, by its name: windows,
+# attention chunks, a rope's original context (and any new field named so); not these.
+LENGTH_FIELD = re.compile(r"window|chunk|context|original_max_position")
+NOT_LENGTHS = {"max_window_layers"}  # a count of layers
+
+
+def _length_fields(fields: dict, prefix: str = ""):
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            yield from _length_fields(value, f"{prefix}{name}.")
+        elif LENGTH_FIELD.search(str(name)) and name not in NOT_LENGTHS and not isinstance(value, bool):
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, int) and not isinstance(v, bool):
+                    yield f"{prefix}{name}", v
+
+
+def _built(name: str) -> dict:
+    """The shrunk released config as this transformers builds it; skipped where it cannot (the
+    floors' transformers 5.9 lacks some types and asks Phi-3's longrope for its original context
+    inside rope_parameters; the released configs' sweep runs on the pinned versions)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type, fields = released_configs.shrunk(name)
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"{model_type} is not in this transformers")
+    try:
+        return tiny_config(model_type, **fields).to_dict()
+    except (KeyError, ValueError) as error:
+        pytest.skip(f"this transformers does not build {name}'s shrunk config: {error}")
+
+
+@pytest.mark.parametrize("name", released_configs.names())
+def test_the_shrunk_released_config_keeps_no_length_the_sweep_does_not_cross(name):
+    """Every length the shrunk config holds, as transformers builds it (MiMo's config derives
+    sliding_window from sliding_window_size, Phi-3's moves original_max_position_embeddings into
+    its rope parameters), is below the sweep's sequence, so the sweep's tokens cross it (a window
+    masks, longrope takes its long factors); its max_position_embeddings holds the sequence. Or
+    the type is refused, and the sweep runs nothing of it."""
+    from easy_context.hf.architectures import check_model_type
+
+    model_type, _ = released_configs.shrunk(name)
+    try:
+        check_model_type(model_type)
+    except ValueError:
+        return
+    config = _built(name)
+    lengths = dict(_length_fields(config))
+    kept = {field: value for field, value in lengths.items() if value >= exact_step.SEQ}
+    assert not kept, f"{name}: {kept} not below the sweep's {exact_step.SEQ} tokens (tools/released_configs.LENGTHS)"
+    assert config.get("max_position_embeddings", exact_step.SEQ) >= exact_step.SEQ
+
+
+def test_the_length_fields_are_found_where_released_configs_hold_them():
+    """The name pattern above finds the lengths of released configs as transformers builds them:
+    MiMo's window (derived from sliding_window_size) and attention chunk, Phi-3 128K's original
+    context inside its rope parameters, gpt-oss's initial context."""
+    expected = {
+        "XiaomiMiMo--MiMo-V2-Flash": {"sliding_window", "sliding_window_size", "attention_chunk_size"},
+        "microsoft--Phi-3-mini-128k-instruct": {"sliding_window", "rope_parameters.original_max_position_embeddings"},
+        "openai--gpt-oss-20b": {"sliding_window", "initial_context_length"},
+    }
+    for name, fields in expected.items():
+        found = dict(_length_fields(_built(name)))
+        assert fields <= set(found), (name, found)

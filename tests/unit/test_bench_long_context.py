@@ -171,3 +171,22 @@ def test_model_flops_are_6n_plus_causal_attention_and_executed_adds_the_recomput
     assert counted["model"] == 6 * shape.matmul_params_per_token + 3 * attention_forward
     recompute = counted["matmuls"] + counted["attention"] - counted["model"]
     assert recompute >= 2 * (shape.matmul_params_per_token - shape.vocab * shape.hidden) + attention_forward
+
+
+@pytest.mark.parametrize("seq", [8192, 131072, 1 << 20])
+def test_the_executed_flops_hfu_divides_hold_attention_and_its_recompute(seq):
+    """bench_long_context's executed FLOPs per token against the model FLOPs (MFU's), counted
+    here from the shape: above them by at least the checkpointed layers' matmuls run again and
+    attention's 1.5 extra forwards (flash's backward recomputes the scores, 3.5 forwards in all
+    against the model's 3; the checkpointed forward runs attention again). Executed FLOPs
+    without attention fall below the model's once attention is most of the work."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(config_path("llama-3.1-8b")))
+    shape = catalogue.shape_from_config(config, "llama-3.1-8b")
+    setup = bench.Setup(config, shape, torch.device("cuda"), torch.bfloat16, 4096, 8192, offload=True)
+    model, executed = bench.flops_per_token(setup, seq)
+    attention_forward = 2 * seq * shape.q * shape.layers  # causal QK^T + PV, per token
+    assert model == 6 * shape.matmul_params_per_token + 3 * attention_forward
+    layers_again = 2 * (shape.matmul_params_per_token - shape.vocab * shape.hidden)
+    assert executed - model >= layers_again + 1.5 * attention_forward, (seq, model, executed)

@@ -154,3 +154,49 @@ def test_patched_model_on_an_unsupported_attention_implementation_is_refused(pat
         AttentionInterface._global_mapping["flex_attention"](module, q, q, q, None)
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_3' is not supported"):
         AttentionMaskInterface._global_mapping["flash_attention_3"](config=module.config)
+
+
+def _layers_of_4_and_2_heads(kind: str):
+    """A 2-layer model whose layer 1 has 2 query heads, layer 0 and the config 4: Laguna's
+    per-layer head counts, or a Llama with its layer 1's attention built with 2 heads."""
+    if kind == "laguna":
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if "laguna" not in CONFIG_MAPPING:
+            pytest.skip("this transformers has no Laguna (per-layer head counts)")
+        return tiny_model("laguna", num_attention_heads_per_layer=[4, 2])
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    model = tiny_model("llama")  # 4 query heads, 2 K/V heads, head_dim 16
+    config = model.config.__class__(**{**model.config.to_dict(), "num_attention_heads": 2, "head_dim": 16})
+    narrow = LlamaAttention(config, layer_idx=1)
+    narrow.num_heads = 2  # what the module keeps of its own count, as Laguna's do
+    model.model.layers[1].self_attn = narrow
+    return model
+
+
+@pytest.mark.parametrize("kind", ["laguna", "llama with one narrow layer"])
+def test_a_layer_with_fewer_heads_than_the_ulysses_degree_is_refused_at_setup(kind, monkeypatch):
+    """At 4 Ulysses ranks, setup refuses the layer of 2 heads by name (the config says 4, so a
+    check of the config alone passes and the layer fails at its first forward); at 2 (usp_attn,
+    ring_degree 2) every layer splits, and the heads of each layer are the module's own."""
+    from easy_context.core import collectives
+    from easy_context.core.groups import NODE_SIZE_VARIABLES
+    from easy_context.hf.context import check_layer_heads, layer_heads
+
+    model = _layers_of_4_and_2_heads(kind)
+    assert [heads for _, heads, _ in layer_heads(model)] == [4, 2]
+    for name in NODE_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(collectives, "world_size", lambda: 4)
+    refusal = (
+        r"layer model\.layers\.1\.self_attn \((Laguna|Llama)Attention\): ulysses_degree=4 exceeds num_attention_heads=2"
+    )
+    try:
+        with pytest.raises(ValueError, match=refusal + ".*use a Ulysses degree of at most 2"):
+            apply_seq_parallel_monkey_patch("ulysses_attn", model)
+        with pytest.raises(ValueError, match=refusal):
+            apply_seq_parallel_monkey_patch("usp_attn", model, ring_degree=1)
+    finally:
+        remove_seq_parallel_monkey_patch()
+    check_layer_heads(model, 2)  # usp_attn with ring_degree 2: each layer's heads split over 2

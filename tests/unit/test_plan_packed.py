@@ -44,3 +44,16 @@ def test_the_planner_picks_the_packed_layout_and_says_why(capsys):
     assert P.main([*args, "--mode", "ulysses_attn"]) == 0
     out = capsys.readouterr().out
     assert "--document-masking" in out and "--balance-documents" not in out and "packed rows:" not in out
+
+
+def test_a_kv_row_that_travels_costs_its_bf16_kv_twice_and_its_fp32_gradients_back():
+    """One round in which rank 1 borrows 3 K/V rows of rank 0 and nothing is computed: per row,
+    K and V (2 heads of 128) in bf16 forward and again in the backward, 1,024 bytes each way,
+    and their fp32 gradients back to the owner, 2,048 bytes; the time, one latency and the bytes
+    over the link."""
+    link = P.LinkModel(tflops=300, link_gbs=1.0, latency_s=1e-6, dtype_bytes=2)
+    rounds = [{"products": [0, 0], "transfers": {(0, 1): (3, 0)}}]
+    got = P.predict(rounds, 8, 2, 128, link)
+    per_row = 2 * (2 * 2 * 128 * 2) + 2 * 2 * 128 * 4
+    assert got["bytes"] == 3 * per_row == 3 * 4096, got
+    assert abs(got["seconds"] - (1e-6 + 3 * per_row / 1e9)) < 1e-15, got

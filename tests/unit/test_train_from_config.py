@@ -38,6 +38,22 @@ def test_a_tiny_config_in_bf16_with_sgd_builds_where_it_runs():
     assert type(optimizer) is torch.optim.SGD
 
 
+@pytest.mark.parametrize("flags, dtype", [(["--param-dtype", "bf16"], torch.bfloat16), ([], torch.float32)])
+def test_the_model_train_py_builds_has_its_weights_in_param_dtype(flags, dtype):
+    """From the command line to the model the loss wraps (build_model, one process, data_parallel):
+    --param-dtype bf16 gives bf16 weights, the default fp32 ones."""
+    from recipes.training.model import build_model
+    from recipes.training.run import Run
+
+    config = parse_config(["--from-config", "tiny-llama", *flags, "--parallel-mode", "data_parallel", "--no-save"])
+    accelerator = types.SimpleNamespace(
+        device=torch.device("cpu"), mixed_precision="no", print=print, num_processes=1, process_index=0
+    )
+    run = Run(config, accelerator, types.SimpleNamespace(at=lambda stage: None), None, None, None)
+    trainable, _ = build_model(run)
+    assert {p.dtype for p in trainable.parameters()} == {dtype}
+
+
 def test_from_config_weights_are_from_scratch_weights():
     scratch = parse_config(["--from-scratch"])
     named = parse_config(["--from-config", str(sources.SCRATCH_CONFIG / "config.json")])

@@ -102,3 +102,36 @@ def test_rl_rollouts_that_cannot_be_shared_over_a_group_are_refused():
         check_rl_trainer(unbuilt(cls))
     with pytest.raises(ValueError, match="GRPOTrainer with tools / environment_factory"):
         check_rl_trainer(unbuilt(trl.GRPOTrainer, tools=[print]))
+
+
+# What decides a trainer's loss and the batches that reach it, written out here rather than read
+# from trainer_admission.LOSS_AND_INPUT_METHODS: a name dropped from that list would stop
+# refusing the subclasses that override it, and a test iterating the list would not notice.
+OWN_LOSS_OR_INPUTS = (
+    "compute_loss",
+    "_compute_loss",
+    "compute_ref_log_probs",
+    "training_step",
+    "prediction_step",
+    "_prepare_inputs",
+    "_prepare_input",
+    "get_batch_samples",
+    "_generate_and_score_completions",
+    "_generate",
+    "_generate_single_turn",
+    "_calculate_rewards",
+    "_get_per_token_logps_and_entropies",
+)
+
+
+@pytest.mark.parametrize("method", OWN_LOSS_OR_INPUTS)
+def test_a_subclass_overriding_any_loss_or_input_method_is_refused(method):
+    """Each name, overridden by a subclass of transformers.Trainer (a name the base lacks, as
+    TRL's rollout methods, counts as well: the subclass brings it), is refused naming it."""
+    from transformers import Trainer
+
+    from easy_context.hf.trainer_admission import check_trainer_class
+
+    subclass = type("Own", (Trainer,), {method: lambda self, *args, **kwargs: None})
+    with pytest.raises(ValueError, match=rf"Own \(a subclass of transformers.Trainer\) overrides \['{method}'\]"):
+        check_trainer_class(subclass)
