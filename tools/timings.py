@@ -58,6 +58,11 @@ COMMANDS = {
         " --num-samples 1 --output-dir outputs/real/needle",
         "SmolLM2-135M-Instruct, 20 needles 4K-16K through the chat template (docs/guides/real-model.md)",
     ),
+    "real-model-ruler": (
+        f"{TORCHRUN_2} eval_ruler.py --model smollm2-135m-instruct --lengths 4096,12288 --samples 1"
+        " --output-dir outputs/real/ruler --hide-progress",
+        "SmolLM2-135M-Instruct, the 11 RULER-style tasks at 4K and 12K, one prompt each (docs/guides/real-model.md)",
+    ),
 }
 BEGIN, END = "<!-- timings:begin -->", "<!-- timings:end -->"
 QUOTE = re.compile(r"<!-- timing:([\w-]+) -->(.*?)<!-- /timing -->")
