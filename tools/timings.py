@@ -63,6 +63,11 @@ COMMANDS = {
         " --output-dir outputs/real/ruler --hide-progress",
         "SmolLM2-135M-Instruct, the 11 RULER-style tasks at 4K and 12K, one prompt each (docs/guides/real-model.md)",
     ),
+    "real-model-ruler-yarn": (
+        f"{TORCHRUN_2} eval_ruler.py --model models/smollm2-135m-instruct-yarn4 --lengths 4096,12288 --samples 1"
+        " --output-dir outputs/real/ruler --hide-progress",
+        "the same tasks on the YaRN x4 folder (docs/guides/real-model.md)",
+    ),
 }
 BEGIN, END = "<!-- timings:begin -->", "<!-- timings:end -->"
 QUOTE = re.compile(r"<!-- timing:([\w-]+) -->(.*?)<!-- /timing -->")
