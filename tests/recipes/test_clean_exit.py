@@ -21,7 +21,8 @@ import pytest
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tests" / "user_scripts"
 RUNS = 3
 # tests/user_scripts/exit_report/sitecustomize.py: each worker's exit hook that runs last writes
 # whether its process group is still up.
@@ -35,7 +36,8 @@ SETUP_LINE = (
 
 def _torchrun(script: Path, cwd: Path, reports: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    path = os.pathsep.join(p for p in (str(EXIT_REPORT), os.environ.get("PYTHONPATH")) if p)
+    # the tree under test first (the scripts run from another folder, where an installed copy would win)
+    path = os.pathsep.join(p for p in (str(EXIT_REPORT), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path, EXIT_REPORT_DIR=str(reports)
     )
