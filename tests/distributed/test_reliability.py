@@ -174,7 +174,7 @@ def test_our_process_groups_inherit_the_scripts_timeout():
 
 
 def interrupted(out, flags, fault, logged, signum, group):
-    """train.py under torchrun, sent `signum` once `logged` steps are in its log (rank 0 then
+    """train.py under torchrun, sent `signum` once step `logged` is in its log (rank 0 then
     waits in the next step, held by the hang `fault`): to the whole process group as a terminal's
     Ctrl-C does (`group`), else to torchrun alone, as `kill` does. Returns (exit code, stderr)."""
     command = [
@@ -196,7 +196,8 @@ def interrupted(out, flags, fault, logged, signum, group):
         start_new_session=True,
     )
     deadline = time.monotonic() + 200
-    while not ((out / "train_log.jsonl").exists() and len(log(out)) >= logged) and time.monotonic() < deadline:
+    while not ((out / "train_log.jsonl").exists() and log(out) and log(out)[-1]["step"] >= logged):
+        assert time.monotonic() < deadline, f"train.py never logged step {logged}"
         time.sleep(0.2)
     (os.killpg if group else os.kill)(run.pid, signum)
     _, stderr = run.communicate(timeout=100)
