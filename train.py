@@ -40,11 +40,12 @@ from recipes.checkpointing import Checkpoints, resume_record
 from recipes.configuration import values_of
 from recipes.faults import injected_fault
 from recipes.launch import Stage, run_job, run_main
+from recipes.stopping import Interrupted
 from recipes.training.batches import ShardedBatches, build_data
 from recipes.training.config import TrainConfig, parse_config
 from recipes.training.model import build_model, build_optimizer, load_model  # noqa: F401
 from recipes.training.report import TrainingLog, save_model, write_summary
-from recipes.training.run import Run, resume_run, set_up_run, stop_on_nonfinite_loss
+from recipes.training.run import Run, resume_run, set_up_run, stop_on_interrupt, stop_on_nonfinite_loss
 from recipes.training.sources import DEMO_BASE  # noqa: F401 (the default model, for tests and tools)
 
 
@@ -96,25 +97,28 @@ def train(config: TrainConfig, accelerator, tracker: str, stage: Stage) -> float
 
     trainable.train()
     loss = float("nan")  # the last finite step's
-    while step < steps:
-        started = time.perf_counter()
-        step_loss, nonfinite = optimizer_step(run, trainable, optimizer, scheduler, batches, step)
-        if nonfinite is not None:
-            skipped += 1
-            if skipped > config.optimisation.skip_nonfinite_steps:
-                stop_on_nonfinite_loss(run, checkpoints, step, skipped - 1, *nonfinite)
-            accelerator.print(
-                f"step {step + 1}: non-finite loss {nonfinite[0]}, step skipped "
-                f"({skipped} of --skip-nonfinite-steps {config.optimisation.skip_nonfinite_steps})"
-            )
-        step += 1
-        elapsed = time.perf_counter() - started
-        if step_loss is not None:
-            loss = step_loss
-        log.step(step, step_loss, scheduler.get_last_lr()[0], elapsed)
-        if checkpoint_every and step % checkpoint_every == 0 and step < steps:
-            stage.at("checkpoint save", step)
-            checkpoints.save(step, skipped)
+    try:  # Ctrl-C or SIGTERM: one line (where, the last checkpoint, the resume command), not a traceback per rank
+        while step < steps:
+            started = time.perf_counter()
+            step_loss, nonfinite = optimizer_step(run, trainable, optimizer, scheduler, batches, step)
+            if nonfinite is not None:
+                skipped += 1
+                if skipped > config.optimisation.skip_nonfinite_steps:
+                    stop_on_nonfinite_loss(run, checkpoints, step, skipped - 1, *nonfinite)
+                accelerator.print(
+                    f"step {step + 1}: non-finite loss {nonfinite[0]}, step skipped "
+                    f"({skipped} of --skip-nonfinite-steps {config.optimisation.skip_nonfinite_steps})"
+                )
+            step += 1
+            elapsed = time.perf_counter() - started
+            if step_loss is not None:
+                loss = step_loss
+            log.step(step, step_loss, scheduler.get_last_lr()[0], elapsed)
+            if checkpoint_every and step % checkpoint_every == 0 and step < steps:
+                stage.at("checkpoint save", step)
+                checkpoints.save(step, skipped)
+    except Interrupted as interrupt:
+        stop_on_interrupt(run, checkpoints, step, interrupt)
     log.close()
 
     write_summary(run, step, loss, skipped)
@@ -142,6 +146,8 @@ def optimizer_step(run: Run, trainable, optimizer, scheduler, batches: ShardedBa
         with accelerator.accumulate(trainable):
             if (seconds := injected_fault("hang", step + 1, run.rank)) is not None:
                 time.sleep(float(seconds))
+            if injected_fault("refusal", step + 1, run.rank) is not None:
+                raise ValueError("a refusal injected on this rank only (EASY_CONTEXT_FAULT)")
             if nonfinite is None:
                 mean, loss_sum = forward_backward(run, trainable, inputs, step, micro)
                 if math.isfinite(mean):

@@ -10,6 +10,7 @@ configuration.py  settings as dataclasses -> the command line, --help and the do
 evaluation_config.py  the eval scripts' and tools/generate.py's settings (NeedleConfig, ...),
                their shared sections declared once
 launch.py      start (accelerator, --dist-timeout), fail (exit codes), shut down cleanly
+stopping.py    why a run stopped, said once: a rank's stop recorded for its peers; Ctrl-C / SIGTERM
 faults.py      a test hook: EASY_CONTEXT_FAULT's deterministic failures (hang, die in a save, ...)
 data/          datasets to packed rows; the embedded default corpus
 models/        load or build a model for a supported type; the pretrained models fetched by name

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -40,6 +42,7 @@ __all__ = [
     "at_least",
     "optional_at_least",
     "needs",
+    "writable_folder",
     "add_flags",
     "sections_of",
     "values_of",
@@ -102,6 +105,27 @@ def needs(other: str, why: str = "") -> Check:
 
 
 # ------------------------------------------------------------------------ the command line
+def writable_folder(name, value, settings) -> str | None:
+    """A folder the run writes into, checked before anything loads: it, or the nearest folder
+    above it that exists (where it will be created), must be a folder this process can write."""
+    path = Path(value).expanduser().absolute()
+    existing = path
+    while True:
+        try:
+            existing.stat()
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            existing = existing.parent
+        except OSError as error:
+            return f"{name} {value}: cannot look at {existing} ({error.strerror}); choose another {name}"
+    if not existing.is_dir():
+        return f"{name} {value}: {existing} is a file, not a folder; choose another {name}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "write in" if existing == path else f"create it: {existing} is not writable"
+        return f"{name} {value}: cannot {where} (permission denied or read-only); choose another {name}"
+    return None
+
+
 def _argparse_options(cls, field: dataclasses.Field) -> dict:
     options = dict(field.metadata.get("argparse", {}))
     kind = typing.get_type_hints(cls)[field.name]

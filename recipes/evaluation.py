@@ -21,7 +21,7 @@ from easy_context.hf.api import gather_seq_parallel_outputs, generate, prepare_s
 from easy_context.hf.architectures import logits_head
 from easy_context.hf.context import placement_of
 from easy_context.modes import get_mode
-from recipes.models.downloads import model_source
+from recipes.models.downloads import ModelNotFetched, NoSuchModelFolder, model_source
 
 __all__ = [
     "DEFAULT_EVAL_MODEL",
@@ -40,9 +40,13 @@ IGNORE = -100
 
 def resolve_model(name: str | None) -> str:
     """A hub name, local folder or downloadable model's name (its folder; ModelNotFetched, an
-    OSError, before its fetch); None means the model train.py writes by default."""
+    OSError, before its fetch; NoSuchModelFolder for a path to nothing); None means the model
+    train.py writes by default."""
     if name is not None:
-        return model_source(name)
+        try:
+            return model_source(name)
+        except (ModelNotFetched, NoSuchModelFolder) as error:
+            raise type(error)(f"--model {error}") from None
     if not (Path(DEFAULT_EVAL_MODEL) / "config.json").exists():
         raise FileNotFoundError(
             f"no model at {DEFAULT_EVAL_MODEL}: train one first with "

@@ -28,6 +28,7 @@ from recipes.configuration import (
     optional_at_least,
     same_as,
     sections_of,
+    writable_folder,
 )
 from recipes.models.downloads import DOWNLOADS
 from recipes.needle import CITIES
@@ -77,7 +78,9 @@ class EvalParallelismConfig:
 @dataclass
 class OutputConfig:
     title: ClassVar[str] = "output"
-    output_dir: str = option("outputs/eval", "where the CSV, JSON and heatmaps go", aliases=("--output_dir",))
+    output_dir: str = option(
+        "outputs/eval", "where the CSV, JSON and heatmaps go", writable_folder, aliases=("--output_dir",)
+    )
     hide_progress: bool = option(False, "no progress bar", aliases=("--hide_progress",))
 
 

@@ -16,7 +16,8 @@ __all__ = ["injected_fault"]
 def injected_fault(point: str, step: int, rank: int) -> str | None:
     """For the tests of failure paths: EASY_CONTEXT_FAULT="point@step:rank[:value]" makes
     `point` fire at that step on that rank (returns value, or "" when none is given).
-    Points in train.py: hang (sleep value seconds before the forward), die_in_save (the
+    Points in train.py: hang (sleep value seconds before the forward), refusal (a ValueError
+    there, as a bad input only one rank sees would raise), die_in_save (the
     process dies after writing its part of the checkpoint), pause_in_save (sleeps value
     seconds there: a kill from outside lands inside the save), disk_full_in_save (ENOSPC
     there), nonfinite_loss (in micro-batch `value` of the step, or in all of them). With

@@ -5,7 +5,9 @@
 - make_accelerator: NCCL on GPUs, DDP over gloo on CPU, DeepSpeed kept, a bounded timeout.
 - fail / exit codes: a one-line message, and every rank leaves (no peer left waiting).
 - script_failures: a stuck or dead peer, or a refusal raised mid-run, becomes one line naming
-  the step and the phase.
+  the step and the phase; a rank whose collective broke because a peer stopped on purpose (a
+  refusal, an interrupt: recipes/stopping.py's record) does not report the broken connection.
+- run_job: Ctrl-C or SIGTERM ends the run with one line (rank 0's), not a traceback per rank.
 - shutdown, run_main: engines, then group handles and process groups torn down in order
   (easy_context.core.groups.destroy_groups), then the process ends with its exit code
   (easy_context.core.groups.exit_process), so a finished run exits 0 every time.
@@ -22,6 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from recipes import stopping
 
 __all__ = [
     "make_accelerator",
@@ -168,6 +172,8 @@ def fail(script: str, message: str, code: int = EXIT_BAD_INPUT):
     """A clear message instead of a traceback, then SystemExit(code): every rank runs the same
     checks and leaves the same way; a peer left in a collective with this rank sees it go
     and stops too (script_failures). `run_main` turns the SystemExit into the exit code."""
+    stopping.record_stop("collective" if code == EXIT_DIST_FAILURE else "failed", code)  # before the peers see it go
+    stopping.mark_stopping()
     print(f"{script}: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
@@ -175,19 +181,22 @@ def fail(script: str, message: str, code: int = EXIT_BAD_INPUT):
 def run_main(main) -> None:
     """A script's `__main__`: run main(), then end the process with its exit code (0, or the
     SystemExit's) without the interpreter's teardown (easy_context.core.groups.exit_process).
-    A SIGTERM (torchrun stopping a rank whose peer failed) first prints every thread's stack:
-    the stuck rank shows where it was."""
-    import faulthandler
-    import signal
-
+    SIGINT and SIGTERM interrupt the run (recipes/stopping.py): one line from rank 0, exit
+    128 + the signal; a SIGTERM from torchrun after a peer failed stops this rank quietly, with
+    its stack when the peer saw a collective fail (this rank may be the stuck one)."""
     from easy_context.core.groups import exit_process
 
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    stopping.install_signal_handlers()
     try:
         main()
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except stopping.Interrupted as interrupt:  # before run_job started, or after it ended
+        code = interrupt.code
+    except stopping.StoppedByPeer as stop:
+        code = stop.peer.code
+    stopping.mark_stopping()
     exit_process(code)
 
 
@@ -254,6 +263,9 @@ def script_failures(script: str, stage: Stage, timeout: float | None):
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
+        peer = stopping.peer_stop()
+        if peer is not None:  # it stopped on purpose and said why; the broken connection is not the cause
+            peer_stopped(script, stage, peer)
         limit = f"--dist-timeout {timeout:g} s" if timeout is not None else "the backend's timeout"
         detail = " ".join(str(error).split())[:300]
         # No teardown of the broken group: run_main ends the process without it.
@@ -271,12 +283,29 @@ def run_job(script: str, job, dist_timeout: float, **accelerator_kwargs):
     a refusal or a failed collective anywhere in it ends as one line (script_failures).
     `dist_timeout`: --dist-timeout, the longest wait in any collective."""
     stage = Stage()
-    with script_failures(script, stage, dist_timeout):
-        accelerator = make_accelerator(dist_timeout=dist_timeout, **accelerator_kwargs)
-        result = job(accelerator, stage)
-        stage.at("shutdown")
-        shutdown(accelerator)
+    try:
+        with script_failures(script, stage, dist_timeout):
+            accelerator = make_accelerator(dist_timeout=dist_timeout, **accelerator_kwargs)
+            result = job(accelerator, stage)
+            stage.at("shutdown")
+            shutdown(accelerator)
+    except stopping.Interrupted as interrupt:  # a job that says more catches it first (train.py)
+        stopping.mark_stopping()
+        if stopping.this_rank() == 0:
+            print(f"{script}: interrupted ({interrupt.name}) at {stage}", file=sys.stderr)
+        raise SystemExit(interrupt.code) from None
+    except stopping.StoppedByPeer as stop:  # torchrun's SIGTERM after the peer stopped
+        peer_stopped(script, stage, stop.peer)
     return result
+
+
+def peer_stopped(script: str, stage: Stage, peer: stopping.PeerStop):
+    """This rank stops because `peer` did (its line says why): rank 0 says which rank that was,
+    the other ranks nothing; the peer's exit code."""
+    stopping.mark_stopping()
+    if stopping.this_rank() == 0:
+        print(f"{script}: rank 0 stopped at {stage}: {peer}", file=sys.stderr)
+    raise SystemExit(peer.code) from None
 
 
 # ------------------------------------------------------------------------------ stopping

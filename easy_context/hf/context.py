@@ -14,6 +14,8 @@ functions (hf/api.py) find the context of a call with `context_for` and delegate
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import warnings
 
 import torch
@@ -26,6 +28,7 @@ from easy_context.core.groups import Placement, SeqParallelGroups, Topology, get
 from easy_context.core.layout import RowLayout, check_document_split_value
 from easy_context.hf import architectures, mask_check, patch, replicas
 from easy_context.hf.generation import generate_in
+from easy_context.hf.model_types import MASKS_NOT_PROBED
 from easy_context.hf.trainer import prepare
 from easy_context.mixers import STRATEGIES
 from easy_context.modes import SeqParallelMode, get_mode, modes_with
@@ -258,6 +261,24 @@ class SequenceParallel:
         finally:
             self.prefill_last_position, self.prefill_end = previous
 
+    def summary(self, masks: str = "", world_size: int | None = None) -> str:
+        """What runs, in one line: the mode, the SP and DP sizes, the ring and Ulysses degrees,
+        what each rank holds of a row (the length is the batch's: S), and `masks` (the mask check's
+        result). setup logs it once, on rank 0."""
+        topology = self.topology(world_size)
+        head = f"{self.mode.name} on {topology.world_size} rank{'s' * (topology.world_size > 1)}"
+        if not self.sequence_parallel:
+            return f"{head}: data parallel {topology.world_size}, no sequence parallelism (every rank holds whole rows)"
+        layout = self.mode.layout(topology)
+        if self.document_split:
+            shard = f"shard length: set per row by its documents (document_split={self.document_split!r})"
+        else:
+            shard = f"shard length: S/{topology.sp_size} of each S-token row (S a multiple of {layout.multiple})"
+        return (
+            f"{head}: sequence parallel {topology.sp_size} x data parallel {topology.dp_size}, ring degree "
+            f"{topology.ring_degree}, Ulysses degree {topology.ulysses_degree} ({layout.name}); {shard}; {masks}"
+        )
+
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in self.options.items() if v is not None)
         return (
@@ -350,7 +371,12 @@ def active() -> SequenceParallel | None:
 
 def setup(mode: str | SeqParallelMode, model_or_type, **options) -> SequenceParallel:
     """Resolve `mode` with its options for a model (or a model type, or a config) and install
-    the patch; see apply_seq_parallel_monkey_patch for the rules. Returns the context."""
+    the patch; see apply_seq_parallel_monkey_patch for the rules. Returns the context.
+
+    Rank 0 logs what runs, once (logger "easy_context", INFO; on stderr unless logging is
+    configured): the mode, the SP and DP sizes, the ring and Ulysses degrees, the shard length
+    (S/P of each S-token row, the row length being the batch's) and the mask check's result.
+    prepare_trainer and apply_seq_parallel_monkey_patch come through here."""
     mode = mode if isinstance(mode, SeqParallelMode) else get_mode(mode)
     check_option_names("apply_seq_parallel_monkey_patch", options)
     model_types = architectures.model_types_of(model_or_type)
@@ -364,36 +390,72 @@ def setup(mode: str | SeqParallelMode, model_or_type, **options) -> SequencePara
         context.check_document_split()
     if not context.sequence_parallel:  # data_parallel: models keep their own attention
         teardown()
+        _announce(context, "")
         return context
     current = active()
-    if not isinstance(model_or_type, str) and not (current and set(model_types) <= current.model_types):
-        _check_masks_at_setup(model_or_type)
+    if isinstance(model_or_type, str):
+        masks = "masks: not checked (a model type names no config; setup with the model or its config checks them)"
+    elif current and set(model_types) <= current.model_types:
+        masks = "masks: checked when this model type was set up before"
+    else:
+        masks = _check_masks_at_setup(model_or_type)
     if context.same_setup(current):
         context.model_types |= current.model_types
     patch.install(context)
     if collectives.world_size() > 1:
         context.groups()  # collective: every rank calls setup, so create the groups now
+    _announce(context, masks)
     return context
 
 
-_masks_checked: set = set()
+_masks_checked: dict = {}  # config -> the check's result, as the setup line says it
 
 
-def _check_masks_at_setup(model_or_config) -> None:
-    """The model's own masks against the patch's, before the patch replaces them (mask_check.py).
-    A disagreement stops here; a skeleton that cannot run is told, not fatal: every call is
-    still checked by admission.py."""
+def _check_masks_at_setup(model_or_config) -> str:
+    """The model's own masks against the patch's, before the patch replaces them (mask_check.py);
+    the result, as the setup line says it. A disagreement stops here; a skeleton that cannot run
+    is told, not fatal: every call is still checked by admission.py."""
     config = architectures.text_config_of(model_or_config)
     key = (type(config), config.to_json_string(use_diff=False))
     if key in _masks_checked:  # tests and sweeps set up the same config over and over
-        return
+        return _masks_checked[key]
+    if config.model_type in MASKS_NOT_PROBED:
+        mask_check.check_masks(model_or_config)  # warns why
+        return f"masks: not probed ({MASKS_NOT_PROBED[config.model_type]}); checked at each call"
     try:
-        mask_check.check_masks(model_or_config)
-        _masks_checked.add(key)
+        layers = mask_check.check_masks(model_or_config)
     except mask_check.MaskDisagreement:
         raise
     except Exception as error:  # noqa: BLE001 - any failure of the probe itself
         warnings.warn(f"check_masks could not probe this model's masks ({type(error).__name__}: {error})", stacklevel=3)
+        return f"masks: not probed (the probe failed: {type(error).__name__}); checked at each call"
+    kinds = f"{len(layers)} kind{'s' * (len(layers) != 1)} of layer mask"
+    _masks_checked[key] = f"masks: checked, the patch's agree with the model's ({kinds})"
+    return _masks_checked[key]
+
+
+# The setup line goes through logging, under "easy_context" at INFO: a script that configured
+# logging gets it in its log (its handlers); one that did not, on stderr. It is said once per
+# process, by rank 0. logging.getLogger("easy_context").setLevel(logging.WARNING) silences it.
+logger = logging.getLogger("easy_context")
+_announced: set = set()
+
+
+def _announce(context: SequenceParallel, masks: str) -> None:
+    """The setup line of `context`, unless this process said it already (a setup again, or
+    prepare_trainer after setup: the masks are those the first one checked)."""
+    said = (context.mode, *context.options.values(), context.topology())
+    if collectives.rank() != 0 or said in _announced:
+        return
+    _announced.add(said)
+    line = context.summary(masks)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():  # else logging's last resort would show warnings only
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.info(line)
 
 
 def teardown() -> None:

@@ -10,7 +10,14 @@ rope_scaling.py  a model's training-free RoPE scalings (linear, dynamic, yarn) a
     python -m recipes.models scale smollm2-135m-instruct --rope yarn:4
 """
 
-from recipes.models.downloads import DOWNLOADS, DownloadableModel, DownloadError, ModelNotFetched, model_source
+from recipes.models.downloads import (
+    DOWNLOADS,
+    DownloadableModel,
+    DownloadError,
+    ModelNotFetched,
+    NoSuchModelFolder,
+    model_source,
+)
 from recipes.models.loading import check_config, load_config, load_pretrained
 
 __all__ = [
@@ -21,5 +28,6 @@ __all__ = [
     "DownloadableModel",
     "DownloadError",
     "ModelNotFetched",
+    "NoSuchModelFolder",
     "model_source",
 ]

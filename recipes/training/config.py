@@ -9,6 +9,7 @@ steps of a run take the sections, or the fields, they need: `config.data.seq_len
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,8 +22,9 @@ from recipes.configuration import (
     optional_at_least,
     parse,
     sections_of,
+    writable_folder,
 )
-from recipes.models.downloads import DOWNLOADS, ModelNotFetched, model_source
+from recipes.models.downloads import DOWNLOADS, ModelNotFetched, NoSuchModelFolder, model_source
 from recipes.training.sources import DEMO_BASE, SCRATCH_CONFIG, config_path, presets
 
 __all__ = [
@@ -55,7 +57,7 @@ JOB_DEFAULTS = {
 def _model(name, value, args):
     try:
         model_source(value)
-    except ModelNotFetched as error:
+    except (ModelNotFetched, NoSuchModelFolder) as error:
         return f"--model {error}"
     return None
 
@@ -74,8 +76,13 @@ def _from_config(name, value, args):
     if args.model is not None or args.from_scratch:
         other = f"--model {args.model}" if args.model is not None else "--from-scratch"
         return f"--from-config builds a model with random weights; drop {other} or --from-config"
-    if config_path(value) is None:
+    path = config_path(value)
+    if path is None:
         return f"--from-config {value}: no such config.json, folder or preset (presets: {', '.join(presets())})"
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return f"--from-config {value}: {path} is not a valid JSON file ({error}); give a model's config.json"
     return None
 
 
@@ -271,7 +278,7 @@ class OptimisationConfig:
 @dataclass
 class CheckpointConfig:
     title: ClassVar[str] = "checkpoints"
-    output_dir: str = option("outputs/tiny-llama", "where checkpoints, the log and the model go")
+    output_dir: str = option("outputs/tiny-llama", "where checkpoints, the log and the model go", writable_folder)
     no_save: bool = option(False, "do not save the model at the end (benchmarks of an 8B shape: 16-32 GB each)")
     checkpointing_steps: int = option(0, "save a resumable checkpoint every N steps (0: only at the end)", at_least(0))
     save_total_limit: int | None = option(

@@ -106,7 +106,8 @@ def load_model(model_config: ModelConfig, memory: MemoryConfig, seed: int, dtype
         else:
             model, tokenizer = load_pretrained(model_config.model, model_config.rope_theta, dtype)
     except (ValueError, OSError) as error:
-        fail(f"--model {model_config.model or model_config.from_config}: {error}")
+        source = model_config.from_config or model_config.model
+        fail(f"{'--from-config' if model_config.from_config else '--model'} {source}: {error}")
     if memory.activation_checkpointing:
         # On a CPU device the checkpointed inputs already live in host memory, and transformers'
         # offload pins its copies, which needs an accelerator: there the flag changes nothing.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,8 @@ class TrainingLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not resumed:
                 self.path.unlink(missing_ok=True)  # a fresh run starts a fresh log
+            else:
+                keep_steps_up_to(self.path, first_step)
         if accelerator.is_main_process and tracker != "none":
             accelerator.init_trackers(
                 config.logging.wandb or "easy-context",
@@ -67,6 +70,23 @@ class TrainingLog:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """A resumed run's log: the lines of steps 1..`step` (the checkpoint's), so that the steps
+    the run does again after an interrupt or a crash appear once; rewritten whole, then renamed."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            continue
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(partial, path)
 
 
 def write_summary(run: Run, step: int, loss: float, skipped: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import torch
 
@@ -14,6 +15,7 @@ from recipes import fsdp
 from recipes.checkpointing import CheckpointError, Checkpoints
 from recipes.launch import EXIT_BAD_INPUT, EXIT_NONFINITE_LOSS, Stage
 from recipes.launch import fail as launch_fail
+from recipes.stopping import Interrupted, mark_stopping, same_command
 from recipes.training.config import TrainConfig
 
 
@@ -130,3 +132,28 @@ def stop_on_nonfinite_loss(
         f"step; {keep}",
         code=EXIT_NONFINITE_LOSS,
     )
+
+
+def stop_on_interrupt(run: Run, checkpoints: Checkpoints, step: int, interrupt: Interrupted):
+    """Ctrl-C or SIGTERM during training: one line from the main process (where it stopped, the
+    last checkpoint, the command that resumes from it), then exit 128 + the signal. Nothing is
+    saved now: the ranks were interrupted at different points, and the checkpoint already on disk
+    resumes exactly."""
+    mark_stopping()
+    if run.accelerator.is_main_process:
+        config = run.config
+        if checkpoints.newest is None:
+            every = config.checkpoints.checkpointing_steps
+            keep = " (--checkpointing-steps N saves one every N steps)" if not every else ""
+            kept = f"no checkpoint was saved{keep}; run it again with: {same_command({})}"
+        else:
+            at, path = checkpoints.newest
+            resume = same_command({"--resume-from-checkpoint": str(path)})
+            kept = f"the last checkpoint is {path} (step {at}); resume with: {resume}"
+        print(
+            f"train.py: interrupted ({interrupt.name}) in {run.stage}, after {step} of "
+            f"{config.optimisation.max_train_steps} steps; {kept}",
+            file=sys.stderr,
+            flush=True,
+        )
+    raise SystemExit(interrupt.code)

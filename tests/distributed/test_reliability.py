@@ -171,3 +171,80 @@ def group_timeouts(rank, world_size):
 def test_our_process_groups_inherit_the_scripts_timeout():
     for world, sub, size in run_ranks(group_timeouts, 4):  # run_ranks creates WORLD with a 90 s timeout
         assert world == sub == datetime.timedelta(seconds=90) and size == 2
+
+
+def interrupted(out, flags, fault, logged, signum, group):
+    """train.py under torchrun, sent `signum` once step `logged` is in its log (rank 0 then
+    waits in the next step, held by the hang `fault`): to the whole process group as a terminal's
+    Ctrl-C does (`group`), else to torchrun alone, as `kill` does. Returns (exit code, stderr)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "EASY_CONTEXT_FAULT": fault}
+    run = subprocess.Popen(
+        [*command, *flags],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 200
+    while not ((out / "train_log.jsonl").exists() and log(out) and log(out)[-1]["step"] >= logged):
+        assert time.monotonic() < deadline, f"train.py never logged step {logged}"
+        time.sleep(0.2)
+    (os.killpg if group else os.kill)(run.pid, signum)
+    _, stderr = run.communicate(timeout=100)
+    return run.returncode, stderr
+
+
+@pytest.mark.timeout(400)
+def test_an_interrupt_is_one_line_with_the_resume_command_and_the_log_keeps_each_step_once(tmp_path):
+    """Ctrl-C in step 6 (checkpoint-3 saved): one line, no traceback from a rank, naming the step,
+    the checkpoint and the command that resumes; that command, stopped by a SIGTERM in step 8,
+    says the same of checkpoint-6, and its log holds steps 1-7 once each (4 and 5 ran twice)."""
+    import shlex
+    import signal
+
+    out = tmp_path / "run"
+    flags = ["--output-dir", str(out), *SMALL, "--max-train-steps", "8", "--checkpointing-steps", "3"]
+    code, stderr = interrupted(out, flags, "hang@6:0:60", 5, signal.SIGINT, group=True)
+    lines = [line for line in stderr.splitlines() if "train.py: interrupted" in line]
+    assert len(lines) == 1 and "KeyboardInterrupt" not in stderr and 'train.py", line' not in stderr, stderr[-3000:]
+    line, first = lines[0], [entry["loss"] for entry in log(out)]
+    said = [line for line in stderr.splitlines() if line.startswith("easy_context: ")]  # rank 0's setup line
+    assert len(said) == 1 and said[0].startswith("easy_context: zigzag_ring_attn on 2 ranks: sequence parallel 2"), said
+    assert "shard length: S/2 of each S-token row" in said[0] and "masks: checked" in said[0]
+    assert line.startswith("train.py: interrupted (SIGINT) in step 6 (") and "after 5 of 8 steps" in line, line
+    assert f"the last checkpoint is {out / 'checkpoint-3'} (step 3); resume with: torchrun --standalone" in line
+    resume = shlex.split(line.split("resume with: ")[1])
+    assert resume[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")], resume
+    assert resume[4:] == [*flags, "--resume-from-checkpoint", str(out / "checkpoint-3")]
+
+    code, stderr = interrupted(out, resume[4:], "hang@8:0:60", 7, signal.SIGTERM, group=False)
+    lines = [line for line in stderr.splitlines() if "train.py: interrupted" in line]
+    assert len(lines) == 1 and "KeyboardInterrupt" not in stderr and 'train.py", line' not in stderr, stderr[-3000:]
+    assert lines[0].startswith("train.py: interrupted (SIGTERM) in step 8 (") and "after 7 of 8 steps" in lines[0]
+    assert f"the last checkpoint is {out / 'checkpoint-6'} (step 6)" in lines[0]
+    steps = log(out)
+    assert [entry["step"] for entry in steps] == [1, 2, 3, 4, 5, 6, 7]
+    assert [entry["loss"] for entry in steps[:5]] == first  # steps 4 and 5 again, bit for bit
+
+
+@pytest.mark.timeout(300)
+def test_the_peers_of_a_rank_that_refused_do_not_blame_the_connection(tmp_path):
+    """Rank 1 refuses mid-run (a bad input only it sees); rank 0, whose collective then breaks
+    (or whom torchrun then stops), does not report the broken connection but points at rank 1,
+    and no rank prints its stack. (A rank other than 0 says nothing: the same path.)"""
+    result = torchrun(tmp_path / "run", "--max-train-steps", "2", fault="refusal@1:1")
+    assert result.returncode != 0
+    refusal = "train.py: error: step 1 (preparing the batch): a refusal injected on this rank only"
+    assert result.stderr.count(refusal) == 1, result.stderr[-3000:]
+    assert "a collective failed" not in result.stderr and "(most recent call first)" not in result.stderr
+    assert "train.py: rank 0 stopped at step 1 (forward): rank 1 failed" in result.stderr, result.stderr[-3000:]

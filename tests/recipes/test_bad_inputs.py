@@ -5,6 +5,7 @@ traceback. Flag checks run in-process (argparse); everything after startup runs 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -268,3 +269,55 @@ def test_script_helpers_refuse_bad_values(tmp_path):
         read_perplexity_csv(tmp_path / "other.csv")
     with pytest.raises(ValueError, match="sliding_window must be >= 1, got 0"):
         SequenceMask.from_positions(torch.arange(8)[None]).with_window(0)
+
+
+@pytest.mark.timeout(60)
+def test_paths_are_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A path to nothing given as --model, a corrupt --from-config and an --output-dir that
+    cannot be written: refused by the flag checks, each naming its flag, before any model loads."""
+    corrupt = tmp_path / "config.json"
+    corrupt.write_text('{"model_type": "llama", ')
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    takes = "no such folder; --model takes a local folder, a hub name (name or namespace/name) or a downloadable model"
+    cases = [
+        ("train.py", ["--model", "no/such/dir"], f"--model no/such/dir: {takes}"),
+        ("train.py", ["--model", "./missing"], f"--model ./missing: {takes}"),
+        ("train.py", ["--from-config", str(corrupt)], f"--from-config {corrupt}: {corrupt} is not a valid JSON file"),
+        (
+            "train.py",
+            ["--output-dir", str(a_file / "out")],
+            f"--output-dir {a_file / 'out'}: {a_file} is a file, not a folder; choose another --output-dir",
+        ),
+        ("eval_needle.py", ["--output-dir", str(a_file)], f"--output-dir {a_file}: {a_file} is a file, not a folder"),
+    ]
+    for script, flags, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            script_module(script).parse_args(flags)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and "Traceback" not in err, (flags, err)
+    from recipes import configuration
+
+    monkeypatch.setattr(configuration.os, "access", lambda path, mode: False)  # as for a non-root user
+    with pytest.raises(SystemExit):
+        script_module("train.py").parse_args(["--output-dir", str(tmp_path / "new" / "out")])
+    assert (
+        f"--output-dir {tmp_path / 'new' / 'out'}: cannot create it: {tmp_path} is not writable"
+        in capsys.readouterr().err
+    )
+    monkeypatch.undo()
+    from recipes.evaluation import resolve_model
+    from recipes.models import NoSuchModelFolder
+
+    with pytest.raises(NoSuchModelFolder, match=f"^--model /no/such/model: {re.escape(takes)}"):
+        resolve_model("/no/such/model")  # the eval scripts: one line from it (their fail)
+    assert resolve_model("namespace/name") == "namespace/name"  # a hub name: the hub's to answer
+
+    # a JSON the model cannot be built from: named as --from-config too, not as --model
+    from recipes.training.config import MemoryConfig, ModelConfig
+    from recipes.training.model import load_model
+
+    corrupt.write_text('{"model_type": "no-such-type"}')
+    with pytest.raises(SystemExit):
+        load_model(ModelConfig(from_config=str(corrupt)), MemoryConfig(), 0, torch.float32, torch.device("cpu"))
+    assert f"train.py: error: --from-config {corrupt}: " in capsys.readouterr().err

@@ -6,7 +6,8 @@ it about 1 run in 24 aborted after finishing ("terminate called without an activ
 The teardown itself is tested deterministically (tests/unit/test_exit_teardown.py); these runs
 check, end to end, that each script's path registers it and that it runs: a hook installed
 before the script (a sitecustomize on PYTHONPATH, so its exit hook runs after every other one)
-reports whether the process group is still up at the very end of each worker. A path that does
+reports whether the process group is still up at the very end of each worker. Each run also
+says what runs in one line at setup (easy_context's log line, rank 0 only). A path that does
 not register the teardown leaves it up in every run (and aborted in about 1 run in 24), so a few
 runs of each script suffice (EASY_CONTEXT_EXIT_TEARDOWN=0 fails every one).
 """
@@ -20,16 +21,23 @@ import pytest
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py)
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "user_scripts"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tests" / "user_scripts"
 RUNS = 3
 # tests/user_scripts/exit_report/sitecustomize.py: each worker's exit hook that runs last writes
 # whether its process group is still up.
 EXIT_REPORT = SCRIPTS / "exit_report"
+SETUP_LINE = (
+    "easy_context: zigzag_ring_attn on 2 ranks: sequence parallel 2 x data parallel 1, ring degree 2, Ulysses "
+    "degree 1 (zigzag ring x2); shard length: S/2 of each S-token row (S a multiple of 4); masks: checked, the "
+    "patch's agree with the model's (1 kind of layer mask)"
+)
 
 
 def _torchrun(script: Path, cwd: Path, reports: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    path = os.pathsep.join(p for p in (str(EXIT_REPORT), os.environ.get("PYTHONPATH")) if p)
+    # the tree under test first (the scripts run from another folder, where an installed copy would win)
+    path = os.pathsep.join(p for p in (str(EXIT_REPORT), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path, EXIT_REPORT_DIR=str(reports)
     )
@@ -56,4 +64,8 @@ def test_user_scripts_exit_0_every_time(script, tmp_path):
         torn_down = {f"rank{rank}": "process group up: False" for rank in (0, 1)}
         if result.returncode != 0 or said != torn_down:
             failures.append(f"run {run}: exit {result.returncode}, {said}\n{_why(result.stderr)}")
+        # what runs, said once (rank 0) at setup: the custom loop's patch, the Trainer's prepare_trainer
+        setup_lines = [line for line in result.stderr.splitlines() if line.startswith("easy_context: ")]
+        if setup_lines != [SETUP_LINE]:
+            failures.append(f"run {run}: the setup lines are {setup_lines}")
     assert not failures, f"{len(failures)} of {RUNS} runs of {script} failed:\n" + "\n".join(failures)

@@ -192,3 +192,23 @@ def test_host_memory_column_and_check(capsys):
     assert "host memory: 262.62 GiB per node = 1 rank x:" in out and "offloaded checkpoints: 128.00 GiB" in out
     code, _, err = run_main(capsys, *args, "--host-memory", "0")
     assert code == 2 and "--host-memory must be positive, got 0.0" in err
+
+
+@pytest.mark.timeout(60)
+def test_one_host_memory_figure_and_small_parameter_counts(capsys):
+    """The JSON gives the host memory the plan used once (host_memory_gib), not beside the
+    named GPU's node default; the header counts a 3M-parameter model in M, not as 0.00B."""
+    args = ["--model", "configs/tiny-llama", "--seq-length", "4096", "--gpus", "2", "--gpu", "cpu"]
+    code, out, _ = run_main(capsys, *args, "--host-memory", "23.5", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["host_memory_gib"] == 23.5
+    assert not [key for key in data["device"] if "host" in key and key != "memory_is_host"], data["device"]
+    code, out, _ = run_main(capsys, *args, "--host-memory", "23.5")
+    assert out.startswith("model configs/tiny-llama: 3.03M params, hidden 256"), out.splitlines()[0]
+    assert [P.parameter_count(n) for n in (8_030_261_248, 134_515_008, 12_500, 999_999, 900)] == [
+        "8.03B",
+        "135M",
+        "12.5K",
+        "1M",
+        "900",
+    ]
