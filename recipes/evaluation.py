@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from easy_context.hf.api import gather_seq_parallel_outputs, generate, prepare_seq_parallel_inputs
 from easy_context.hf.architectures import logits_head
-from easy_context.hf.context import placement_of
+from easy_context.hf.heads import placement_of
 from easy_context.modes import get_mode
 from recipes.models.downloads import ModelNotFetched, NoSuchModelFolder, model_source
 

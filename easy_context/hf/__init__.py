@@ -2,6 +2,7 @@
 what runs on it (generation, the Trainer adapter, the replica guard).
 
     context.py        SequenceParallel: a mode with its options, topology and groups, resolved once
+    heads.py          the decoder's heads, each layer's checked against the Ulysses degree, and the Placement
     api.py            the functions named by mode (apply_seq_parallel_monkey_patch, generate,
                       prepare_trainer, ...): each finds its context and calls it
     patch.py          dispatchers installed into transformers' attention and mask registries

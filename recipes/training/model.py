@@ -7,7 +7,7 @@ import torch
 
 import easy_context as ec
 from easy_context.hf.architectures import attn_implementation, check_training_config
-from easy_context.hf.context import placement_of
+from easy_context.hf.heads import placement_of
 from easy_context.hf.loss import CausalLMLoss
 from easy_context.modes import get_mode
 from easy_context.versions import enable_activation_checkpointing

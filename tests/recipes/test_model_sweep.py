@@ -155,7 +155,11 @@ def _built(name: str) -> dict:
         pytest.skip(f"{model_type} is not in this transformers")
     try:
         return tiny_config(model_type, **fields).to_dict()
-    except (KeyError, ValueError) as error:
+    except KeyError as error:
+        if "Missing required keys in `rope_parameters`" not in str(error):
+            raise
+        # transformers 5.9 (the floors) reads longrope's original context from rope_parameters,
+        # where the released Phi-3 128K configs do not put it; the pinned versions build them
         pytest.skip(f"this transformers does not build {name}'s shrunk config: {error}")
 
 

@@ -182,7 +182,7 @@ def test_a_layer_with_fewer_heads_than_the_ulysses_degree_is_refused_at_setup(ki
     ring_degree 2) every layer splits, and the heads of each layer are the module's own."""
     from easy_context.core import collectives
     from easy_context.core.groups import NODE_SIZE_VARIABLES
-    from easy_context.hf.context import check_layer_heads, layer_heads
+    from easy_context.hf.heads import check_layer_heads, layer_heads
 
     model = _layers_of_4_and_2_heads(kind)
     assert [heads for _, heads, _ in layer_heads(model)] == [4, 2]

@@ -9,7 +9,8 @@ import pytest
 
 from easy_context.core import collectives
 from easy_context.core.groups import NODE_SIZE_VARIABLES, Placement, ranks_per_node
-from easy_context.hf.context import SequenceParallel, model_heads, placement_of
+from easy_context.hf.context import SequenceParallel
+from easy_context.hf.heads import model_heads, placement_of
 from easy_context.modes import BUILT_MODES, get_mode
 from recipes import plan as P
 
